@@ -1,0 +1,38 @@
+# relserve build steps. `make serve` and `make test` are the two README commands.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+SERVE_ARGS ?=
+
+.PHONY: install install-test proto serve test bench clean
+
+# Runtime install: editable package + generated gRPC stubs.
+$(BIN)/.relserve-installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -e .
+	$(BIN)/python -m relserve.service._proto
+	touch $@
+
+# Test extras (pytest, transformers as the parity oracle) on top of the runtime install.
+$(BIN)/.relserve-test-installed: $(BIN)/.relserve-installed
+	$(BIN)/python -m pip install -e '.[test]'
+	touch $@
+
+install: $(BIN)/.relserve-installed
+install-test: $(BIN)/.relserve-test-installed
+
+proto: install
+	$(BIN)/python -m relserve.service._proto
+
+serve: install
+	$(BIN)/relserve serve $(SERVE_ARGS)
+
+test: install-test
+	$(BIN)/python -m pytest -q
+
+bench: install-test
+	$(BIN)/python -m relserve.loadtest.bench_encoder
+
+clean:
+	rm -rf $(VENV) build *.egg-info service/_proto/*_pb2*.py
