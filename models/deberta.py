@@ -1,0 +1,457 @@
+"""DeBERTa-v2/v3 encoder with disentangled attention, plus classification and extractive-QA heads.
+
+Our own implementation of He et al. 2021, "DeBERTa: Decoding-enhanced BERT with Disentangled Attention"
+(sec. 3.1, eq. 2-4) and the v2/v3 refinements (log-bucket relative positions, shared position projections,
+layer-normed relative embeddings, the optional convolution after the first layer). Semantics match
+Hugging Face ``transformers`` ``DebertaV2*`` modules, which the parity tests use as the oracle; module and
+parameter names equal HF checkpoint keys so a checkpoint loads by name.
+
+Inference-oriented choices (numerically equivalent on real tokens):
+
+* Relative-position indices are built once per forward and shared by all layers; only the rows of
+  ``rel_embeddings`` that a sequence of length T can reach are projected (for T=128 with 256 buckets that is
+  255 of 512 rows), which shrinks the c2p/p2c matmuls.
+* The attention mask hides padded *keys* only (``[B, 1, 1, T]``). HF additionally hides every key from padded
+  *queries*; that changes only the (meaningless) outputs at padded positions, never those of real tokens.
+* Attention runs through ``torch.nn.functional.scaled_dot_product_attention`` with the relative-position
+  bias as its additive mask.
+
+Shapes: B batch, T sequence length, H hidden size, n heads, d = H / n head size, R rows of the relative
+embedding table in use.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import DebertaConfig
+from .relative_position import build_relative_position, relative_index
+
+__all__ = [
+    "DebertaEmbeddings",
+    "DisentangledSelfAttention",
+    "DebertaLayer",
+    "ConvLayer",
+    "DebertaEncoder",
+    "DebertaModel",
+    "ContextPooler",
+    "DebertaForSequenceClassification",
+    "DebertaForQuestionAnswering",
+    "activation",
+]
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+_ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_python": F.gelu,
+    "gelu_new": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "quick_gelu": _quick_gelu,
+    "relu": F.relu,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "silu": F.silu,
+    "swish": F.silu,
+    "linear": lambda x: x,
+}
+
+
+def activation(name: str):
+    """HF activation name (``ACT2FN`` key) -> function. Unknown names raise ``ValueError``."""
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(_ACTIVATIONS)}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Embeddings
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class DebertaEmbeddings(nn.Module):
+    """Token (+ absolute position if ``position_biased_input``) (+ token type if ``type_vocab_size > 0``)
+    embeddings, optional ``embed_proj`` (embedding_size -> hidden_size), LayerNorm, then zero at padding."""
+
+    def __init__(self, config: DebertaConfig):
+        super().__init__()
+        e = config.embedding_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, e, padding_idx=config.pad_token_id)
+        self.position_embeddings = (
+            nn.Embedding(config.max_position_embeddings, e) if config.position_biased_input else None
+        )
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, e) if config.type_vocab_size > 0 else None
+        self.embed_proj = nn.Linear(e, config.hidden_size, bias=False) if e != config.hidden_size else None
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.max_position_embeddings = config.max_position_embeddings
+
+    def forward(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, token_type_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """input_ids Long[B,T], mask Bool[B,T] (True = real token), token_type_ids Long[B,T] -> Float[B,T,H]."""
+        T = input_ids.shape[1]
+        x = self.word_embeddings(input_ids)  # [B, T, E]
+        if self.position_embeddings is not None:
+            if T > self.max_position_embeddings:
+                raise ValueError(
+                    f"sequence length {T} exceeds max_position_embeddings={self.max_position_embeddings}"
+                )
+            x = x + self.position_embeddings.weight[:T]  # [T, E] broadcast over B
+        if self.token_type_embeddings is not None:
+            if token_type_ids is None:
+                x = x + self.token_type_embeddings.weight[0]
+            else:
+                x = x + self.token_type_embeddings(token_type_ids)
+        if self.embed_proj is not None:
+            x = self.embed_proj(x)  # [B, T, E] -> [B, T, H]
+        x = self.LayerNorm(x)
+        x = x * mask.unsqueeze(-1).to(x.dtype)
+        return self.dropout(x)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Disentangled attention
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RelativeContext:
+    """Per-forward relative-position data shared by all layers.
+
+    rel_embeddings: Float[R, H], rows ``lo..hi`` of the (layer-normed) table, the only ones this T reaches.
+    c2p_index: Long[T, T], ``[i, j]`` -> row of ``rel_embeddings`` for δ(i, j) (query i looks at key j).
+    p2c_index: Long[T, T], ``[j, i]`` -> row for δ(j, i) (key j seen from query i), laid out for a gather
+        over the key's rows followed by a transpose, as in the reference.
+    """
+
+    rel_embeddings: torch.Tensor
+    c2p_index: torch.Tensor | None
+    p2c_index: torch.Tensor | None
+
+
+class DisentangledSelfAttention(nn.Module):
+    """Multi-head self-attention with content->position (c2p) and position->content (p2c) terms.
+
+    He et al. 2021, sec. 3.1, eq. (4): with content projections Qc = H Wq, Kc = H Wk, V = H Wv and relative
+    projections Kr = P Wk,r, Qr = P Wq,r of the relative embedding table P,
+
+        Ã[i, j] = Qc_i·Kc_jᵀ  +  Qc_i·Kr_{δ(i,j)}ᵀ  +  Kc_j·Qr_{δ(j,i)}ᵀ          (content, c2p, p2c)
+        H_o = softmax(Ã / sqrt(d · s)) V,   s = 1 + number of enabled position terms.
+
+    v3 (``share_att_key``) uses Wk,r = Wk and Wq,r = Wq; v2 has separate ``pos_key_proj``/``pos_query_proj``.
+    Note the flip: c2p indexes with δ(i, j) from the query's side, p2c with δ(j, i) from the key's side.
+    """
+
+    def __init__(self, config: DebertaConfig):
+        super().__init__()
+        H = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.head_size = config.head_size
+        self.query_proj = nn.Linear(H, H)
+        self.key_proj = nn.Linear(H, H)
+        self.value_proj = nn.Linear(H, H)
+        self.relative_attention = config.relative_attention
+        self.share_att_key = config.share_att_key
+        self.c2p = "c2p" in config.pos_att_type
+        self.p2c = "p2c" in config.pos_att_type
+        # HF counts the enabled terms in the scale even when relative_attention is off; so do we.
+        self.scale_factor = 1 + int(self.c2p) + int(self.p2c)
+        self.inv_scale = 1.0 / math.sqrt(self.head_size * self.scale_factor)
+        if self.relative_attention and not self.share_att_key:
+            if self.c2p:
+                self.pos_key_proj = nn.Linear(H, H)
+            if self.p2c:
+                self.pos_query_proj = nn.Linear(H, H)
+        self.attention_probs_dropout_prob = config.attention_probs_dropout_prob
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., L, H] -> [..., n, L, d]."""
+        *lead, L, _ = x.shape
+        return x.view(*lead, L, self.num_heads, self.head_size).transpose(-3, -2)
+
+    def relative_bias(self, q: torch.Tensor, k: torch.Tensor, rel: RelativeContext) -> torch.Tensor | None:
+        """c2p + p2c scores, already divided by sqrt(d·s).
+
+        q, k: Float[B, n, T, d]; returns Float[B, n, T, T] or None when no term is enabled.
+        """
+        if not (self.relative_attention and (self.c2p or self.p2c)):
+            return None
+        B, n, T, _ = q.shape
+        P = rel.rel_embeddings  # [R, H]
+        bias = None
+        if self.c2p:
+            # c2p, eq. (4) second term: Qc_i · Kr_{δ(i,j)}.
+            pos_key = self._heads(self.key_proj(P) if self.share_att_key else self.pos_key_proj(P))  # [n, R, d]
+            c2p = torch.matmul(q, pos_key.transpose(-1, -2))  # [B, n, T, R]
+            c2p = torch.gather(c2p, -1, rel.c2p_index.expand(B, n, T, T))  # [B, n, T(i), T(j)]
+            bias = c2p
+        if self.p2c:
+            # p2c, eq. (4) third term: Kc_j · Qr_{δ(j,i)} — gathered per key row j, then transposed to [i, j].
+            pos_query = self._heads(self.query_proj(P) if self.share_att_key else self.pos_query_proj(P))
+            p2c = torch.matmul(k, pos_query.transpose(-1, -2))  # [B, n, T(j), R]
+            p2c = torch.gather(p2c, -1, rel.p2c_index.expand(B, n, T, T)).transpose(-1, -2)  # [B, n, T(i), T(j)]
+            bias = p2c if bias is None else bias + p2c
+        return bias * self.inv_scale
+
+    def forward(
+        self, hidden_states: torch.Tensor, key_mask: torch.Tensor, rel: RelativeContext | None
+    ) -> torch.Tensor:
+        """hidden_states Float[B,T,H], key_mask Bool[B,1,1,T] (True = attend) -> context Float[B,T,H]."""
+        B, T, H = hidden_states.shape
+        q = self._heads(self.query_proj(hidden_states))  # [B, n, T, d]
+        k = self._heads(self.key_proj(hidden_states))
+        v = self._heads(self.value_proj(hidden_states))
+        bias = self.relative_bias(q, k, rel) if rel is not None else None
+        neg = torch.finfo(q.dtype).min
+        if bias is None:
+            bias = torch.zeros(key_mask.shape, dtype=q.dtype, device=q.device)  # [B, 1, 1, T]
+        bias = bias.masked_fill(~key_mask, neg)  # padded keys get exactly zero weight
+        ctx = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=bias,
+            dropout_p=self.attention_probs_dropout_prob if self.training else 0.0,
+            scale=self.inv_scale,
+        )  # [B, n, T, d]
+        return ctx.transpose(1, 2).reshape(B, T, H)
+
+
+class DebertaSelfOutput(nn.Module):
+    """dense + residual + LayerNorm after attention (HF ``attention.output``)."""
+
+    def __init__(self, config: DebertaConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dropout(self.dense(x)) + residual)
+
+
+class DebertaAttention(nn.Module):
+    def __init__(self, config: DebertaConfig):
+        super().__init__()
+        self.self = DisentangledSelfAttention(config)
+        self.output = DebertaSelfOutput(config)
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor, rel: RelativeContext | None) -> torch.Tensor:
+        return self.output(self.self(x, key_mask, rel), x)
+
+
+class DebertaIntermediate(nn.Module):
+    def __init__(self, config: DebertaConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))  # [B, T, I]
+
+
+class DebertaOutput(nn.Module):
+    def __init__(self, config: DebertaConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dropout(self.dense(x)) + residual)  # [B, T, I] -> [B, T, H]
+
+
+class DebertaLayer(nn.Module):
+    """Post-LN transformer block: disentangled attention, then feed-forward."""
+
+    def __init__(self, config: DebertaConfig):
+        super().__init__()
+        self.attention = DebertaAttention(config)
+        self.intermediate = DebertaIntermediate(config)
+        self.output = DebertaOutput(config)
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor, rel: RelativeContext | None) -> torch.Tensor:
+        a = self.attention(x, key_mask, rel)
+        return self.output(self.intermediate(a), a)
+
+
+class ConvLayer(nn.Module):
+    """DeBERTa-v2 n-gram convolution applied beside the first layer (``conv_kernel_size > 0``).
+
+    out = LayerNorm(layer0_output + act(mask ⊙ Conv1d(embeddings))) ⊙ mask.
+    """
+
+    def __init__(self, config: DebertaConfig):
+        super().__init__()
+        k = config.conv_kernel_size
+        H = config.hidden_size
+        self.conv = nn.Conv1d(H, H, k, padding=(k - 1) // 2, groups=config.conv_groups)
+        self.LayerNorm = nn.LayerNorm(H, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.act = activation(config.conv_act)
+
+    def forward(self, embeddings: torch.Tensor, residual: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """embeddings, residual Float[B,T,H]; mask Bool[B,T] -> Float[B,T,H]."""
+        m = mask.unsqueeze(-1)  # [B, T, 1]
+        out = self.conv(embeddings.transpose(1, 2)).transpose(1, 2)  # [B, H, T] conv -> [B, T, H]
+        out = out.masked_fill(~m, 0.0)
+        out = self.act(self.dropout(out))
+        return self.LayerNorm(residual + out) * m.to(residual.dtype)
+
+
+class DebertaEncoder(nn.Module):
+    """Stack of ``DebertaLayer`` with the shared relative embedding table (``rel_embeddings``, 2·att_span rows),
+    its optional LayerNorm (``norm_rel_ebd = "layer_norm"``) and the optional ``ConvLayer``."""
+
+    def __init__(self, config: DebertaConfig):
+        super().__init__()
+        self.layer = nn.ModuleList(DebertaLayer(config) for _ in range(config.num_hidden_layers))
+        self.relative_attention = config.relative_attention
+        self.position_buckets = config.position_buckets
+        self.max_relative_positions = config.effective_max_relative_positions
+        self.att_span = config.att_span
+        self.c2p = "c2p" in config.pos_att_type
+        self.p2c = "p2c" in config.pos_att_type
+        if self.relative_attention:
+            self.rel_embeddings = nn.Embedding(2 * self.att_span, config.hidden_size)
+        self.norm_rel_ebd = "layer_norm" in config.norm_rel_ebd_terms
+        if self.norm_rel_ebd:
+            self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.conv = ConvLayer(config) if config.conv_kernel_size > 0 else None
+
+    def relative_context(self, T: int, device: torch.device) -> RelativeContext | None:
+        """Indices and the reachable slice of the relative table for self-attention over T positions."""
+        if not (self.relative_attention and (self.c2p or self.p2c)):
+            return None
+        # δ only depends on i - j: bucket the 2T-1 distances once, then index them ([T, T]).
+        rel = build_relative_position(T, T, self.position_buckets, self.max_relative_positions, device=device)
+        c2p_idx = relative_index(rel, self.att_span) if self.c2p else None  # [i, j] -> row for δ(i, j)
+        # p2c reads row clamp(span - δ(j, i)) at [j, i] (the reference's p2c_pos, gathered then transposed).
+        p2c_idx = relative_index(-rel, self.att_span) if self.p2c else None
+        used = [x for x in (c2p_idx, p2c_idx) if x is not None]
+        lo = min(int(x.min()) for x in used)
+        hi = max(int(x.max()) for x in used)
+        table = self.rel_embeddings.weight[lo : hi + 1]  # [R, H]; LayerNorm is per row, so slice first
+        if self.norm_rel_ebd:
+            table = self.LayerNorm(table)
+        return RelativeContext(
+            rel_embeddings=table,
+            c2p_index=None if c2p_idx is None else c2p_idx - lo,
+            p2c_index=None if p2c_idx is None else p2c_idx - lo,
+        )
+
+    def forward(self, embeddings: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """embeddings Float[B,T,H], mask Bool[B,T] -> last hidden state Float[B,T,H]."""
+        T = embeddings.shape[1]
+        key_mask = mask[:, None, None, :]  # [B, 1, 1, T]
+        rel = self.relative_context(T, embeddings.device)
+        h = embeddings
+        for i, layer in enumerate(self.layer):
+            out = layer(h, key_mask, rel)
+            if i == 0 and self.conv is not None:
+                out = self.conv(h, out, mask)
+            h = out
+        return h
+
+
+class DebertaModel(nn.Module):
+    """The encoder: ``embeddings`` + ``encoder``. Returns the last hidden state Float[B, T, H]."""
+
+    def __init__(self, config: DebertaConfig):
+        super().__init__()
+        self.config = config
+        self.embeddings = DebertaEmbeddings(config)
+        self.encoder = DebertaEncoder(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids Long[B,T]; attention_mask [B,T] (1 real, 0 pad; default all real);
+        token_type_ids Long[B,T] or None (zeros) -> Float[B,T,H]."""
+        if attention_mask is None:
+            mask = torch.ones_like(input_ids, dtype=torch.bool)
+        else:
+            mask = attention_mask.to(torch.bool)
+        x = self.embeddings(input_ids, mask, token_type_ids)
+        return self.encoder(x, mask)
+
+
+class ContextPooler(nn.Module):
+    """First-token pooling: act(dense(h[:, 0])) (HF ``pooler``)."""
+
+    def __init__(self, config: DebertaConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.pooler_hidden_size, config.pooler_hidden_size)
+        self.dropout = nn.Dropout(config.pooler_dropout)
+        self.act = activation(config.pooler_hidden_act)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(self.dropout(hidden_states[:, 0])))  # [B, T, H] -> [B, H]
+
+
+class DebertaForSequenceClassification(nn.Module):
+    """Encoder + ContextPooler + linear ``classifier``; forward returns logits Float[B, num_labels]."""
+
+    hf_architecture = "DebertaV2ForSequenceClassification"
+    task = "classification"
+
+    def __init__(self, config: DebertaConfig):
+        super().__init__()
+        self.config = config
+        self.deberta = DebertaModel(config)
+        self.pooler = ContextPooler(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        p = config.cls_dropout if config.cls_dropout is not None else config.hidden_dropout_prob
+        self.dropout = nn.Dropout(p)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = self.deberta(input_ids, attention_mask, token_type_ids)  # [B, T, H]
+        return self.classifier(self.dropout(self.pooler(h)))  # [B, num_labels]
+
+
+class DebertaForQuestionAnswering(nn.Module):
+    """Encoder + ``qa_outputs`` (H -> 2); forward returns (start_logits, end_logits), each Float[B, T]."""
+
+    hf_architecture = "DebertaV2ForQuestionAnswering"
+    task = "question-answering"
+
+    def __init__(self, config: DebertaConfig):
+        super().__init__()
+        if config.num_labels != 2:
+            raise ValueError(f"question answering needs num_labels == 2 (start, end), got {config.num_labels}")
+        self.config = config
+        self.deberta = DebertaModel(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.deberta(input_ids, attention_mask, token_type_ids)  # [B, T, H]
+        logits = self.qa_outputs(h)  # [B, T, 2]
+        return logits[..., 0].contiguous(), logits[..., 1].contiguous()
