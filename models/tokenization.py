@@ -1,0 +1,435 @@
+"""Tokenizers for DeBERTa-style encoders, with character offsets.
+
+`load_tokenizer(dir)` reads one of two serialisations of a SentencePiece-style Unigram tokenizer:
+
+* ``tokenizer.json`` (Hugging Face ``tokenizers`` library): the file's normaliser, pre-tokenizer and
+  Unigram model are used as they are; [CLS]/[SEP] ids come from its TemplateProcessing post-processor
+  (falling back to the vocabulary).
+* ``spm.model`` + ``tokenizer_config.json`` (Google ``sentencepiece`` library): the pieces come from the
+  sentencepiece Unigram model; the text pipeline in front of it reproduces what transformers 5
+  ``DebertaV2Tokenizer`` builds for such a directory (``tokenization_deberta_v2.py``): optional lower-casing
+  (``do_lower_case``), ``Replace(r"\\s{2,}|[\\n\\r\\t]", " ")``, NFC, strip right, Metaspace ``▁`` with a
+  prefix ``▁`` unless the text already starts with a space. The model's own normaliser spec is switched
+  to ``identity`` so the pipeline above is the only normalisation, and character offsets are computed
+  here: sentencepiece (``return_type="proto"``; 0.2.3 removed "immutable_proto") reports UTF-8 byte offsets into the normalised text, which are mapped back to
+  Python ``str`` indices of the caller's original text.
+
+Both give the DeBERTa template ``[CLS] A [SEP]`` / ``[CLS] A [SEP] B [SEP]`` with token type ids
+0 for ``[CLS] A [SEP]`` and 1 for ``B [SEP]``.
+
+Units: all lengths are in tokens including special tokens unless said otherwise; all offsets are Python
+``str`` indices (code points), end exclusive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import unicodedata
+from dataclasses import dataclass, field
+from typing import Sequence
+
+Offset = tuple[int, int]
+
+# tokenizer configs without a real limit carry placeholders such as int(1e30) (C08)
+_MAX_LENGTH_PLACEHOLDER = 1_000_000
+
+# Unicode White_Space (what Rust's regex `\s` and `char::is_whitespace` match; Python's str.isspace also
+# accepts U+001C..U+001F, which tokenizers does not)
+_WHITE_SPACE = frozenset(
+    "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a"
+    "\u2028\u2029\u202f\u205f\u3000"
+)
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """One model input: ``[CLS] A [SEP] (B [SEP])``.
+
+    ``truncated`` is True when tokens of A or B were dropped to fit ``max_length``.
+    """
+
+    input_ids: list[int]
+    token_type_ids: list[int]
+    truncated: bool = False
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass(frozen=True)
+class QAWindow:
+    """One ``[CLS] question [SEP] context_chunk [SEP]`` window of a QA request.
+
+    ``context_offsets[i]`` is the (start, end) character span in the context of token i, or None for
+    question and special tokens. ``question_truncated`` says the question was cut to fit.
+    """
+
+    input_ids: list[int]
+    token_type_ids: list[int]
+    context_offsets: list[Offset | None]
+    question_truncated: bool = False
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class Tokenizer:
+    """A Unigram tokenizer plus the DeBERTa template; see the module docstring.
+
+    Use `load_tokenizer` to build one. ``_tokenize(text)`` of the backend returns the ids and character
+    offsets of ``text`` without special tokens.
+    """
+
+    backend: "_Backend"
+    cls_token_id: int
+    sep_token_id: int
+    pad_token_id: int
+    unk_token_id: int | None
+    model_max_length: int | None
+    source: str
+    vocab_size: int = 0
+    special_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    # ---- raw tokenization -------------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> tuple[list[int], list[Offset]]:
+        """Ids and (start, end) character offsets of ``text``, no special tokens, no truncation."""
+        return self.backend.tokenize(text)
+
+    def num_tokens(self, text: str, pair: str | None = None) -> int:
+        """Length in tokens of the untruncated encoding, special tokens included."""
+        n = len(self.tokenize(text)[0]) + 2
+        if pair is not None:
+            n += len(self.tokenize(pair)[0]) + 1
+        return n
+
+    # ---- model inputs -----------------------------------------------------------------------------
+
+    def encode(self, text: str, pair: str | None = None, max_length: int | None = None) -> Encoding:
+        """``[CLS] text [SEP] (pair [SEP])`` with longest-first truncation to ``max_length`` tokens.
+
+        ``max_length`` None means ``model_max_length`` (no truncation if that is None too). Truncation
+        follows the ``tokenizers`` LongestFirst strategy (as transformers with ``truncation=True``).
+        """
+        if max_length is None:
+            max_length = self.model_max_length
+        a = self.tokenize(text)[0]
+        b = self.tokenize(pair)[0] if pair is not None else None
+        truncated = False
+        if max_length is not None:
+            n_special = 3 if b is not None else 2
+            if max_length < n_special + (2 if b is not None else 1):
+                raise ValueError(f"max_length={max_length} leaves no room for text tokens")
+            budget = max_length - n_special
+            if b is None:
+                if len(a) > budget:
+                    a, truncated = a[:budget], True
+            else:
+                n1, n2 = _longest_first(len(a), len(b), budget)
+                truncated = n1 < len(a) or n2 < len(b)
+                a, b = a[:n1], b[:n2]
+        ids = [self.cls_token_id, *a, self.sep_token_id]
+        types = [0] * len(ids)
+        if b is not None:
+            ids += [*b, self.sep_token_id]
+            types += [1] * (len(b) + 1)
+        return Encoding(ids, types, truncated)
+
+    def batch_encode(
+        self,
+        texts: Sequence[str],
+        pairs: Sequence[str] | None = None,
+        max_length: int | None = None,
+    ) -> list[Encoding]:
+        """`encode` for each text (and its pair)."""
+        if pairs is None:
+            return [self.encode(t, None, max_length) for t in texts]
+        if len(pairs) != len(texts):
+            raise ValueError(f"{len(texts)} texts but {len(pairs)} pairs")
+        return [self.encode(t, p, max_length) for t, p in zip(texts, pairs)]
+
+    def qa_windows(self, question: str, context: str, max_seq_len: int, doc_stride: int) -> list[QAWindow]:
+        """Split ``context`` into overlapping windows ``[CLS] question [SEP] chunk [SEP]``.
+
+        Every window is at most ``max_seq_len`` tokens. The question is cut to at most
+        ``(max_seq_len - 3) // 2`` tokens. Consecutive chunks overlap by ``doc_stride`` context tokens
+        (the HF pipeline's ``doc_stride``; same windows as transformers with ``truncation="only_second"``,
+        ``stride=doc_stride``, ``return_overflowing_tokens=True``). If ``doc_stride`` is not smaller than
+        the context room of a window it is reduced to half that room.
+        """
+        if max_seq_len < 5:
+            raise ValueError(f"max_seq_len={max_seq_len} is too small for a QA window (minimum 5)")
+        if doc_stride < 0:
+            raise ValueError(f"doc_stride={doc_stride} must be >= 0")
+        q = self.tokenize(question)[0]
+        max_q = (max_seq_len - 3) // 2
+        question_truncated = len(q) > max_q
+        q = q[:max_q]
+        c_ids, c_offs = self.tokenize(context)
+        room = max_seq_len - 3 - len(q)  # context tokens per window
+        stride = doc_stride if doc_stride < room else room // 2
+        step = room - stride
+        head = [self.cls_token_id, *q, self.sep_token_id]
+        windows = []
+        start = 0
+        while True:
+            end = min(start + room, len(c_ids))
+            ids = head + c_ids[start:end] + [self.sep_token_id]
+            types = [0] * len(head) + [1] * (end - start + 1)
+            offsets: list[Offset | None] = [None] * len(head) + list(c_offs[start:end]) + [None]
+            windows.append(QAWindow(ids, types, offsets, question_truncated))
+            if end >= len(c_ids):
+                break
+            start += step
+        return windows
+
+
+def _longest_first(n1: int, n2: int, budget: int) -> tuple[int, int]:
+    """Kept lengths of a pair under the ``tokenizers`` LongestFirst strategy (utils/truncation.rs)."""
+    if n1 + n2 <= budget:
+        return n1, n2
+    swap = n1 > n2
+    if swap:
+        n1, n2 = n2, n1
+    if n1 > budget:
+        n2 = n1
+    else:
+        n2 = max(n1, budget - n1)
+    if n1 + n2 > budget:
+        n1 = budget // 2
+        n2 = n1 + budget % 2
+    if swap:
+        n1, n2 = n2, n1
+    return n1, n2
+
+
+# ---- backends ------------------------------------------------------------------------------------
+
+
+class _Backend:
+    def tokenize(self, text: str) -> tuple[list[int], list[Offset]]:
+        raise NotImplementedError
+
+
+class _TokenizersBackend(_Backend):
+    """``tokenizer.json`` through the ``tokenizers`` library (offsets are char offsets of the input)."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.tok = HFTokenizer.from_file(path)
+        self.tok.no_truncation()
+        self.tok.no_padding()
+
+    def tokenize(self, text: str) -> tuple[list[int], list[Offset]]:
+        enc = self.tok.encode(text, add_special_tokens=False)
+        offsets = [tuple(o) for o in enc.offsets]
+        # A lone Metaspace "▁" that stands for the prepended dummy space is reported over the first
+        # real character (which the next token also covers); make it zero-width, as the spm backend does.
+        for i, (tok, (s, e)) in enumerate(zip(enc.tokens, offsets)):
+            if tok == "▁" and e > s and not text[s:e].isspace():
+                offsets[i] = (s, s)
+        return list(enc.ids), offsets
+
+
+class _SentencePieceBackend(_Backend):
+    """``spm.model`` through the ``sentencepiece`` library, normalised like transformers 5 DebertaV2."""
+
+    def __init__(self, path: str, do_lower_case: bool):
+        import sentencepiece as spm
+        from sentencepiece import sentencepiece_model_pb2 as pb
+
+        proto = pb.ModelProto()
+        with open(path, "rb") as f:
+            proto.ParseFromString(f.read())
+        self.proto = proto
+        # our own normalisation (below) replaces the model's normaliser, as transformers 5 does
+        ns = proto.normalizer_spec
+        ns.name = "identity"
+        ns.precompiled_charsmap = b""
+        ns.add_dummy_prefix = False
+        ns.remove_extra_whitespaces = False
+        ns.escape_whitespaces = True
+        proto.denormalizer_spec.Clear()
+        self.sp = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+        self.do_lower_case = do_lower_case
+
+    def tokenize(self, text: str) -> tuple[list[int], list[Offset]]:
+        norm, spans = _deberta_v2_normalize(text, self.do_lower_case)
+        if not norm:
+            return [], []
+        if norm[0] != " ":  # Metaspace prepend_scheme="always": a zero-width prefix space at the first char
+            s0 = spans[0][0]
+            norm, spans = " " + norm, [(s0, s0), *spans]
+        pieces = self.sp.encode(norm, return_type="proto").pieces
+        # UTF-8 byte offset -> index into norm
+        byte_to_char = []
+        for i, ch in enumerate(norm):
+            byte_to_char.extend([i] * len(ch.encode("utf-8")))
+        byte_to_char.append(len(norm))
+        ids, offsets = [], []
+        for p in pieces:
+            b, e = p.begin, p.end
+            if e <= b:
+                continue
+            c0, c1 = byte_to_char[b], byte_to_char[e - 1]
+            ids.append(p.id)
+            start = spans[c0][0]
+            # a piece that starts with the (zero-width) prefix space starts at the next real char
+            if c0 == 0 and spans[0][0] == spans[0][1] and c1 > 0:
+                start = spans[1][0]
+            offsets.append((start, spans[c1][1]))
+        return ids, offsets
+
+
+def _deberta_v2_normalize(text: str, lower: bool) -> tuple[str, list[Offset]]:
+    """transformers 5 DebertaV2 normaliser with alignment.
+
+    Returns the normalised string and, per normalised char, the (start, end) span of original chars it
+    comes from. Steps: Lowercase (optional, per char), Replace(``\\s{2,}|[\\n\\r\\t]`` -> " "), NFC,
+    Strip(right).
+    """
+    chars: list[str] = []
+    spans: list[Offset] = []
+    for i, ch in enumerate(text):
+        out = ch.lower() if lower else ch
+        for o in out:
+            chars.append(o)
+            spans.append((i, i + 1))
+    # whitespace runs of >= 2, or a single \n \r \t, become one space spanning the run
+    c2: list[str] = []
+    s2: list[Offset] = []
+    i, n = 0, len(chars)
+    while i < n:
+        if chars[i] in _WHITE_SPACE:
+            j = i
+            while j < n and chars[j] in _WHITE_SPACE:
+                j += 1
+            if j - i >= 2 or chars[i] in "\n\r\t":
+                c2.append(" ")
+                s2.append((spans[i][0], spans[j - 1][1]))
+            else:
+                c2.append(chars[i])
+                s2.append(spans[i])
+            i = j
+        else:
+            c2.append(chars[i])
+            s2.append(spans[i])
+            i += 1
+    joined = "".join(c2)
+    if not unicodedata.is_normalized("NFC", joined):
+        c2, s2 = _nfc_aligned(c2, s2)
+    while c2 and c2[-1] in _WHITE_SPACE:
+        c2.pop()
+        s2.pop()
+    return "".join(c2), s2
+
+
+def _nfc_aligned(chars: list[str], spans: list[Offset]) -> tuple[list[str], list[Offset]]:
+    """NFC per cluster (a starter plus following combining marks / Hangul V,T jamo), keeping alignment."""
+    out_c: list[str] = []
+    out_s: list[Offset] = []
+    i, n = 0, len(chars)
+    while i < n:
+        j = i + 1
+        while j < n and (unicodedata.combining(chars[j]) or "\u1160" <= chars[j] <= "\u11ff"):
+            j += 1
+        composed = unicodedata.normalize("NFC", "".join(chars[i:j]))
+        span = (spans[i][0], spans[j - 1][1])
+        if len(composed) == j - i:
+            out_c.extend(composed)
+            out_s.extend(spans[i:j])
+        else:
+            out_c.extend(composed)
+            out_s.extend([span] * len(composed))
+        i = j
+    return out_c, out_s
+
+
+# ---- loading -------------------------------------------------------------------------------------
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _token_str(v, default: str) -> str:
+    if v is None:
+        return default
+    if isinstance(v, dict):  # AddedToken serialisation
+        return v.get("content", default)
+    return str(v)
+
+
+def _max_length(cfg: dict) -> int | None:
+    v = cfg.get("model_max_length")
+    if v is None:
+        return None
+    v = int(v)
+    return None if v >= _MAX_LENGTH_PLACEHOLDER or v <= 0 else v
+
+
+def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
+    """Load ``tokenizer.json`` (preferred) or ``spm.model`` from a checkpoint/tokenizer directory.
+
+    ``tokenizer_config.json`` (optional with tokenizer.json) supplies special token strings,
+    ``do_lower_case`` (spm only) and ``model_max_length`` (None when absent or a placeholder >= 1e6, C08).
+    Raises FileNotFoundError when neither file is present.
+    """
+    directory = os.fspath(directory)
+    cfg = _read_json(os.path.join(directory, "tokenizer_config.json"))
+    smap = _read_json(os.path.join(directory, "special_tokens_map.json"))
+
+    def tok_name(key: str, default: str) -> str:
+        return _token_str(cfg.get(key, smap.get(key)), default)
+
+    names = {k: tok_name(f"{k}_token", f"[{k.upper()}]") for k in ("cls", "sep", "pad", "unk", "mask")}
+    json_path = os.path.join(directory, "tokenizer.json")
+    spm_path = os.path.join(directory, "spm.model")
+    if os.path.isfile(json_path):
+        backend = _TokenizersBackend(json_path)
+        tok = backend.tok
+        vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        ids = {k: tok.token_to_id(v) for k, v in names.items()}
+        post = _read_json(json_path).get("post_processor") or {}
+        if post.get("type") == "TemplateProcessing":
+            st = post.get("special_tokens", {})
+            for k in ("cls", "sep"):
+                if names[k] in st and st[names[k]].get("ids"):
+                    ids[k] = st[names[k]]["ids"][0]
+        source = json_path
+        specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+        special_ids = frozenset(tok.token_to_id(s) for s in specials if tok.token_to_id(s) is not None)
+    elif os.path.isfile(spm_path):
+        backend = _SentencePieceBackend(spm_path, bool(cfg.get("do_lower_case", False)))
+        sp = backend.sp
+        vocab_size = sp.get_piece_size()
+
+        def piece_id(piece: str) -> int | None:
+            i = sp.piece_to_id(piece)
+            return None if i == sp.unk_id() and piece != sp.id_to_piece(sp.unk_id()) else i
+
+        ids = {k: piece_id(v) for k, v in names.items()}
+        source = spm_path
+        special_ids = frozenset(i for i in range(vocab_size) if sp.is_control(i) or sp.is_unknown(i))
+    else:
+        raise FileNotFoundError(f"{directory}: neither tokenizer.json nor spm.model found")
+    for k in ("cls", "sep"):
+        if ids[k] is None:
+            raise ValueError(f"{source}: special token {names[k]!r} ({k}_token) is not in the vocabulary")
+    return Tokenizer(
+        backend=backend,
+        cls_token_id=ids["cls"],
+        sep_token_id=ids["sep"],
+        pad_token_id=ids["pad"] if ids["pad"] is not None else 0,
+        unk_token_id=ids["unk"],
+        model_max_length=_max_length(cfg),
+        source=source,
+        vocab_size=vocab_size,
+        special_token_ids=special_ids,
+    )

@@ -1,0 +1,102 @@
+"""Sequence classification: tokenization in, (label, score) pairs out.
+
+Scores: softmax over the labels for single-label models; an independent sigmoid per label when
+``problem_type == "multi_label_classification"``; the raw value for ``"regression"``.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from relserve.models.tokenization import Encoding, Tokenizer
+from relserve.service.errors import Internal, InvalidArgument
+
+
+def validate_text(text: object, what: str = "text") -> str:
+    """Return ``text`` if it is a non-blank str, else raise InvalidArgument naming ``what``."""
+    if not isinstance(text, str):
+        raise InvalidArgument(f"{what} must be a string, got {type(text).__name__}")
+    if not text.strip():
+        raise InvalidArgument(f"{what} is empty or only whitespace; send at least one non-space character")
+    return text
+
+
+def effective_max_length(tokenizer: Tokenizer, max_seq_len: int) -> int:
+    """The server's limit, lowered to the tokenizer's ``model_max_length`` when that is a real limit (C08)."""
+    if max_seq_len < 3:
+        raise InvalidArgument(f"max_seq_len={max_seq_len} must be at least 3 tokens")
+    if tokenizer.model_max_length is not None:
+        return min(max_seq_len, tokenizer.model_max_length)
+    return max_seq_len
+
+
+def preprocess(
+    tokenizer: Tokenizer,
+    texts: Sequence[str],
+    text_pairs: Sequence[str] | None,
+    max_seq_len: int,
+) -> list[Encoding]:
+    """Encode each text (with its pair) as ``[CLS] a [SEP] (b [SEP])``, at most ``max_seq_len`` tokens.
+
+    Over-long inputs are truncated longest-first and flagged in ``Encoding.truncated`` (C08: never a
+    shape error, whatever ``model_max_length`` says). ``text_pairs`` empty or None means no pairs.
+    """
+    if not texts:
+        raise InvalidArgument("texts is empty; send at least one text")
+    for i, t in enumerate(texts):
+        validate_text(t, f"texts[{i}]")
+    if text_pairs:
+        if len(text_pairs) != len(texts):
+            raise InvalidArgument(
+                f"text_pairs has {len(text_pairs)} entries but texts has {len(texts)}; send one pair per text"
+            )
+        for i, p in enumerate(text_pairs):
+            validate_text(p, f"text_pairs[{i}]")
+    else:
+        text_pairs = None
+    limit = effective_max_length(tokenizer, max_seq_len)
+    if text_pairs is not None and limit < 5:
+        raise InvalidArgument(f"max_seq_len={limit} is too small for a text pair (minimum 5 tokens)")
+    return tokenizer.batch_encode(list(texts), list(text_pairs) if text_pairs else None, max_length=limit)
+
+
+def _label(id2label: Mapping, i: int) -> str:
+    if i in id2label:
+        return str(id2label[i])
+    if str(i) in id2label:
+        return str(id2label[str(i)])
+    return f"LABEL_{i}"
+
+
+def postprocess(
+    logits: np.ndarray,
+    id2label: Mapping[int | str, str] | None,
+    problem_type: str | None,
+    top_k: int,
+) -> list[tuple[str, float]]:
+    """Turn one item's ``logits`` (shape ``[num_labels]``) into ``(label, score)`` pairs, best first.
+
+    ``top_k`` 0 returns all labels. Ties keep label order. Labels missing from ``id2label`` are
+    called ``LABEL_<i>`` as in transformers.
+    """
+    if top_k < 0:
+        raise InvalidArgument(f"top_k={top_k} must be >= 0 (0 = all labels)")
+    x = np.asarray(logits, dtype=np.float64).reshape(-1)
+    if x.size == 0:
+        raise Internal("the model returned no logits")
+    if not np.all(np.isfinite(x)):
+        raise Internal(f"the model returned non-finite logits {x.tolist()}")
+    id2label = id2label or {}
+    if problem_type == "multi_label_classification":
+        scores = 1.0 / (1.0 + np.exp(-x))
+    elif problem_type == "regression":
+        scores = x
+    else:
+        e = np.exp(x - x.max())
+        scores = e / e.sum()
+    order = np.argsort(-scores, kind="stable")
+    if top_k:
+        order = order[:top_k]
+    return [(_label(id2label, int(i)), float(scores[i])) for i in order]
