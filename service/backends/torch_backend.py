@@ -1,0 +1,170 @@
+"""PyTorch backend: a checkpoint from ``relserve.models.checkpoint`` run eagerly under inference_mode.
+
+The only service module that imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..config import ModelConfig, check_dtype_for_device
+from ..errors import ConfigError
+from . import TASK_CLASSIFICATION, TASK_QA, ModelMeta
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(model: str, device: str) -> str:
+    """``auto`` -> ``cuda:0`` when CUDA is available, else ``cpu``; ``cuda`` -> ``cuda:0``.
+
+    Raises:
+        ConfigError: CUDA requested but not available (or the index is out of range).
+    """
+    if device == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"model {model!r}: device {device!r} requested but CUDA is not available")
+        index = int(device.split(":", 1)[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"model {model!r}: device {device!r} does not exist ({torch.cuda.device_count()} CUDA devices)"
+            )
+        return f"cuda:{index}"
+    return device
+
+
+class TorchBackend:
+    """Backend over ``load_checkpoint``; see :mod:`relserve.service.backends` for the contract."""
+
+    name = "torch"
+    is_padded = True
+    max_batch_size: int | None = None
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        self.device = "cpu"
+        self.dtype = _DTYPES[config.dtype]
+        self.model: Any = None
+        self.meta: ModelMeta | None = None
+        self.max_seq_len = 0
+        self._pad_id = 0
+        self._use_token_type = False
+        self._lock = threading.Lock()  # one batch at a time even if someone shares the instance
+
+    # -------------------------------------------------------------- contract
+
+    def load(self) -> ModelMeta:
+        from relserve.models.checkpoint import load_checkpoint
+
+        self.device = resolve_device(self.config.name, self.config.device)
+        check_dtype_for_device(self.config.name, self.config.dtype, self.device)
+        ckpt = load_checkpoint(self.config.path, device=self.device, dtype=self.dtype)
+        cfg = ckpt.config
+        tok = ckpt.tokenizer
+        self.model = ckpt.model
+        self._pad_id = int(getattr(tok, "pad_token_id", 0) or 0)
+        self._use_token_type = int(getattr(cfg, "type_vocab_size", 0) or 0) > 0
+        if ckpt.task not in (TASK_CLASSIFICATION, TASK_QA):
+            raise ConfigError(f"model {self.config.name!r}: task {ckpt.task!r} is not served")
+        labels: tuple[str, ...] = ()
+        if ckpt.task == TASK_CLASSIFICATION:
+            id2label = dict(getattr(cfg, "id2label", None) or {})
+            n = int(getattr(cfg, "num_labels", 0) or len(id2label))
+            labels = tuple(str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(n))
+        limits = [x for x in (getattr(tok, "model_max_length", None), getattr(cfg, "max_position_embeddings", None))
+                  if x]
+        max_positions = int(min(limits)) if limits else None
+        self.max_seq_len = self.config.resolved_max_seq_len(max_positions)
+        self.meta = ModelMeta(
+            task=ckpt.task,
+            family=str(getattr(cfg, "model_type", None) or "deberta-v2"),
+            backend=self.name,
+            device=self.device,
+            dtype=self.config.dtype,
+            tokenizer=tok,
+            labels=labels,
+            problem_type=getattr(cfg, "problem_type", None),
+            max_positions=max_positions,
+        )
+        log.info("model %r: loaded %s (%s) on %s as %s, max_seq_len %d", self.config.name, ckpt.path,
+                 ckpt.task, self.device, self.config.dtype, self.max_seq_len)
+        return self.meta
+
+    def warmup(self) -> None:
+        """A short single sequence, then a small batch at full length (allocates the big buffers)."""
+        if self.meta is None:
+            raise RuntimeError("warmup() before load()")
+        tok = self.meta.tokenizer
+        cls_id = int(getattr(tok, "cls_token_id", 1) or 1)
+        sep_id = int(getattr(tok, "sep_token_id", 2) or 2)
+        short = _Item([cls_id, 5, 6, 7, sep_id])
+        full = _Item([cls_id] + [5] * (self.max_seq_len - 2) + [sep_id])
+        n = max(1, min(4, self.config.max_batch_size, self.config.max_batch_tokens // self.max_seq_len))
+        for batch in ([short], [full] * n):
+            for res in self.run(batch):
+                if isinstance(res, Exception):
+                    raise res
+
+    def run(self, batch: Sequence[Any]) -> list[Any]:
+        if self.model is None or self.meta is None:
+            raise RuntimeError("run() before load()")
+        lengths = [len(item.input_ids) for item in batch]
+        longest = max(lengths)
+        ids = np.full((len(batch), longest), self._pad_id, dtype=np.int64)
+        mask = np.zeros((len(batch), longest), dtype=np.int64)
+        types = np.zeros((len(batch), longest), dtype=np.int64)
+        for i, item in enumerate(batch):
+            n = lengths[i]
+            ids[i, :n] = item.input_ids
+            mask[i, :n] = 1
+            tt = getattr(item, "token_type_ids", None)
+            if tt is not None and len(tt) == n:
+                types[i, :n] = tt
+        with self._lock, torch.inference_mode():
+            kwargs = {
+                "input_ids": torch.from_numpy(ids).to(self.device),
+                "attention_mask": torch.from_numpy(mask).to(self.device),
+            }
+            if self._use_token_type:
+                kwargs["token_type_ids"] = torch.from_numpy(types).to(self.device)
+            out = self.model(**kwargs)
+            if self.meta.task == TASK_QA:
+                start, end = out[0], out[1]
+                start_np = start.float().cpu().numpy()
+                end_np = end.float().cpu().numpy()
+                return [(start_np[i, :n].copy(), end_np[i, :n].copy()) for i, n in enumerate(lengths)]
+            logits = (out[0] if isinstance(out, (tuple, list)) else out).float().cpu().numpy()
+            return [logits[i].copy() for i in range(len(batch))]
+
+    def memory_stats(self) -> dict[str, tuple[int, int, int]]:
+        if not self.device.startswith("cuda"):
+            return {}
+        dev = torch.device(self.device)
+        return {
+            self.device: (
+                int(torch.cuda.memory_allocated(dev)),
+                int(torch.cuda.memory_reserved(dev)),
+                int(torch.cuda.max_memory_allocated(dev)),
+            )
+        }
+
+    def close(self) -> None:
+        self.model = None
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+class _Item:
+    """A synthetic encoding for warm-up."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.input_ids = ids
+        self.token_type_ids = [0] * len(ids)

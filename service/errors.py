@@ -1,0 +1,82 @@
+"""Domain exceptions and the one table that turns them into gRPC status codes.
+
+Anything below the servicer raises one of these; ``service/api.py`` alone turns them into a gRPC
+status (via :func:`to_status`). An exception that is not a :class:`RelserveError` is a bug: it becomes
+INTERNAL for that request only and the server keeps serving.
+
+Every message says what was wrong and, where there is one, what the limit is.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class RelserveError(Exception):
+    """Base of the domain exceptions; the message is sent to the client as the status details."""
+
+
+class InvalidArgument(RelserveError):
+    """Bad or empty input, or a field value out of range."""
+
+
+class NotFound(RelserveError):
+    """Unknown model (the message lists the loaded ones)."""
+
+
+class FailedPrecondition(RelserveError):
+    """The model exists but cannot do what was asked (e.g. Answer on a classification model)."""
+
+
+class ResourceExhausted(RelserveError):
+    """Queue full, or a request larger than a configured limit."""
+
+
+class DeadlineExceeded(RelserveError):
+    """The request's deadline passed before its work was computed."""
+
+
+class Unavailable(RelserveError):
+    """The server is draining, or the model is not loaded and warmed up yet."""
+
+
+class Cancelled(RelserveError):
+    """The client cancelled the request."""
+
+
+class Internal(RelserveError):
+    """A failure that is not the client's fault (a backend error, a non-finite model output)."""
+
+
+class ConfigError(ValueError):
+    """Invalid server configuration (raised at start-up, never sent over the wire)."""
+
+
+# The one table. Order matters only for subclasses (first match wins); keep the most specific first.
+STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (Cancelled, grpc.StatusCode.CANCELLED),
+    (Internal, grpc.StatusCode.INTERNAL),
+)
+
+
+def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """Map an exception to ``(status code, details)``.
+
+    Domain exceptions keep their message. Anything else is unexpected: INTERNAL, with the exception
+    type in the details so the log line and the client's error can be matched up.
+    """
+    for exc_type, code in STATUS_CODES:
+        if isinstance(exc, exc_type):
+            return code, str(exc) or exc_type.__name__
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}: {exc})"
+
+
+def code_name(code: grpc.StatusCode) -> str:
+    """The status code as used in metric labels, e.g. ``"NOT_FOUND"``."""
+    return code.name

@@ -1,0 +1,390 @@
+"""Dynamic batcher driven by fake backends (no model, no torch): limits, C11, deadlines, cancellation,
+queue bounds and failure isolation."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+
+import pytest
+
+from relserve.service.batcher import Batcher
+from relserve.service.errors import DeadlineExceeded, Internal, InvalidArgument, ResourceExhausted
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+class FakeBackend:
+    """Records every batch; returns ``payload * 2`` per item; optional delay per batch."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.batches: list[list] = []
+
+    def __call__(self, payloads):
+        self.batches.append(list(payloads))
+        if self.delay:
+            time.sleep(self.delay)
+        return [self.result(p) for p in payloads]
+
+    def result(self, p):
+        return p * 2 if isinstance(p, (int, float)) else p
+
+    @property
+    def seen(self):
+        return [p for b in self.batches for p in b]
+
+
+class RaisingBackend(FakeBackend):
+    def __call__(self, payloads):
+        self.batches.append(list(payloads))
+        if "boom" in payloads:
+            raise RuntimeError("kernel exploded")
+        if "bad-input" in payloads:
+            raise InvalidArgument("backend rejected the batch")
+        return list(payloads)
+
+
+class HangingBackend(FakeBackend):
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def __call__(self, payloads):
+        self.batches.append(list(payloads))
+        self.release.wait(10)
+        return list(payloads)
+
+
+def make(backend, **kw) -> Batcher:
+    kw.setdefault("max_queue_delay", 0.0)
+    b = Batcher("fake", backend, **kw)
+    b.start()
+    return b
+
+
+def test_batch_size_limit_respected():
+    async def main():
+        be = FakeBackend()
+        b = make(be, max_batch_size=4)
+        units = await b.run([(5, i) for i in range(10)])
+        await b.close()
+        return be, [u.result for u in units]
+
+    be, results = run(main())
+    assert results == [i * 2 for i in range(10)]
+    assert all(len(batch) <= 4 for batch in be.batches)
+    assert sorted(be.seen) == list(range(10))
+
+
+def test_padded_token_budget_respected():
+    lengths = [10, 50, 50, 10, 30, 45, 5, 20]
+
+    async def main():
+        be = FakeBackend()
+        b = make(be, max_batch_size=32, max_batch_tokens=100)
+        await b.run([(n, n) for n in lengths])
+        await b.close()
+        return be
+
+    be = run(main())
+    for batch in be.batches:
+        assert len(batch) * max(batch) <= 100, batch  # padded tokens = size x longest
+    assert sorted(be.seen) == sorted(lengths)
+
+
+def test_unpadded_budget_counts_real_tokens():
+    async def main():
+        be = FakeBackend()
+        b = make(be, max_batch_size=32, max_batch_tokens=100, is_padded=False)
+        await b.run([(n, n) for n in [60, 10, 10, 10, 10]])
+        await b.close()
+        return be
+
+    be = run(main())
+    assert all(sum(batch) <= 100 for batch in be.batches)
+    assert sorted(be.batches[0]) == [10, 10, 10, 10, 60]
+
+
+def test_unit_longer_than_budget_still_runs_alone():
+    async def main():
+        be = FakeBackend()
+        b = make(be, max_batch_tokens=64)
+        units = await b.run([(200, 1), (10, 2)])
+        await b.close()
+        return be, [u.result for u in units]
+
+    be, results = run(main())
+    assert results == [2, 4]
+    assert be.batches == [[1], [2]]
+
+
+def test_similar_lengths_batched_together():
+    lengths = [10, 200, 12, 190, 11, 205]
+
+    async def main():
+        be = FakeBackend()
+        b = make(be, max_batch_size=3, max_batch_tokens=100_000)
+        await b.run([(n, n) for n in lengths])
+        await b.close()
+        return be
+
+    be = run(main())
+    assert sorted(map(sorted, be.batches)) == [[10, 11, 12], [190, 200, 205]]
+
+
+def test_case_C11_zero_queue_delay_still_batches():
+    async def main():
+        be = FakeBackend(delay=0.3)
+        b = make(be, max_queue_delay=0.0, max_batch_size=32)
+        first = asyncio.create_task(b.run([(8, 100)]))
+        while not be.batches:  # the first batch is running
+            await asyncio.sleep(0.005)
+        five = [asyncio.create_task(b.run([(8, i)])) for i in range(5)]
+        results = await asyncio.gather(first, *five)
+        await b.close()
+        return be, b, results
+
+    be, b, results = run(main())
+    assert [r[0].result for r in results] == [200, 0, 2, 4, 6, 8]
+    assert b.executions <= 2, be.batches
+    assert sorted(be.batches[-1]) == [0, 1, 2, 3, 4]
+
+
+def test_queue_delay_waits_for_company():
+    async def main():
+        be = FakeBackend()
+        b = make(be, max_queue_delay=0.2, max_batch_size=8)
+        tasks = []
+        for i in range(3):
+            tasks.append(asyncio.create_task(b.run([(8, i)])))
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*tasks)
+        await b.close()
+        return be
+
+    be = run(main())
+    assert len(be.batches) == 1 and sorted(be.batches[0]) == [0, 1, 2]
+
+
+def test_queue_delay_ends_early_when_batch_is_full():
+    async def main():
+        be = FakeBackend()
+        b = make(be, max_queue_delay=5.0, max_batch_size=2)
+        t0 = time.monotonic()
+        await b.run([(8, 1), (8, 2)])
+        elapsed = time.monotonic() - t0
+        await b.close()
+        return elapsed
+
+    assert run(main()) < 1.0
+
+
+def test_expired_deadline_dropped_before_compute():
+    async def main():
+        be = FakeBackend(delay=0.3)
+        b = make(be)
+        first = asyncio.create_task(b.run([(8, 1)]))
+        while not be.batches:
+            await asyncio.sleep(0.005)
+        late = asyncio.create_task(b.run([(8, 99)], deadline=time.monotonic() + 0.05))
+        with pytest.raises(DeadlineExceeded) as err:
+            await late
+        await first
+        await asyncio.sleep(0.05)
+        await b.close()
+        return be, str(err.value)
+
+    be, message = run(main())
+    assert 99 not in be.seen  # never computed
+    assert "deadline" in message and "fake" in message
+
+
+def test_deadline_already_passed_is_refused():
+    async def main():
+        b = make(FakeBackend())
+        try:
+            with pytest.raises(DeadlineExceeded):
+                b.submit([(8, 1)], deadline=time.monotonic() - 1)
+        finally:
+            await b.close()
+
+    run(main())
+
+
+def test_cancelled_request_leaves_the_queue():
+    async def main():
+        be = FakeBackend(delay=0.3)
+        b = make(be)
+        first = asyncio.create_task(b.run([(8, 1)]))
+        while not be.batches:
+            await asyncio.sleep(0.005)
+        victim = asyncio.create_task(b.run([(8, 50), (8, 51)]))
+        await asyncio.sleep(0.02)
+        assert b.queue_depth == 2
+        victim.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await victim
+        assert b.queue_depth == 0
+        await first
+        await asyncio.sleep(0.05)
+        await b.close()
+        return be
+
+    be = run(main())
+    assert 50 not in be.seen and 51 not in be.seen
+
+
+def test_queue_full_raises_resource_exhausted_naming_limit():
+    async def main():
+        be = FakeBackend(delay=0.3)
+        b = make(be, max_queue_size=3)
+        first = asyncio.create_task(b.run([(8, 1)]))
+        while not be.batches:
+            await asyncio.sleep(0.005)
+        waiting = asyncio.create_task(b.run([(8, 2), (8, 3), (8, 4)]))
+        await asyncio.sleep(0)
+        with pytest.raises(ResourceExhausted) as err:
+            await b.run([(8, 5)])
+        with pytest.raises(ResourceExhausted) as too_big:
+            await b.run([(8, i) for i in range(4)])
+        await asyncio.gather(first, waiting)
+        await b.close()
+        return str(err.value), str(too_big.value)
+
+    full, too_big = run(main())
+    assert "max_queue_size is 3" in full
+    assert "max_queue_size 3" in too_big
+
+
+def test_failing_batch_fails_only_its_members():
+    async def main():
+        be = RaisingBackend()
+        b = make(be, max_batch_size=2, bucket_width=1)
+        # lengths keep "boom" and "x" in one batch, "a"/"b" in the other
+        bad = asyncio.create_task(b.run([(8, "x"), (8, "boom")]))
+        good = asyncio.create_task(b.run([(100, "a"), (100, "b")]))
+        results = await asyncio.gather(bad, good, return_exceptions=True)
+        await b.close()
+        return be, results
+
+    be, (bad, good) = run(main())
+    assert isinstance(bad, Internal) and "kernel exploded" in str(bad)
+    assert [u.result for u in good] == ["a", "b"]
+    assert sorted(map(sorted, be.batches)) == [["a", "b"], ["boom", "x"]]
+
+
+def test_domain_error_from_backend_kept():
+    async def main():
+        b = make(RaisingBackend())
+        try:
+            with pytest.raises(InvalidArgument, match="rejected"):
+                await b.run([(8, "bad-input")])
+            units = await b.run([(8, "fine")])  # the worker survives
+            return units[0].result
+        finally:
+            await b.close()
+
+    assert run(main()) == "fine"
+
+
+def test_per_item_errors_and_nan_stay_with_their_unit():
+    class PerItem(FakeBackend):
+        def result(self, p):
+            if p == "err":
+                return InvalidArgument("item rejected")
+            if p == "nan":
+                return float("nan")
+            return p
+
+    async def main():
+        b = make(PerItem(), max_batch_size=8)
+        r_err = asyncio.create_task(b.run([(8, "err")]))
+        r_nan = asyncio.create_task(b.run([(8, "nan")]))
+        r_ok = asyncio.create_task(b.run([(8, "ok")]))
+        out = await asyncio.gather(r_err, r_nan, r_ok, return_exceptions=True)
+        await b.close()
+        return out
+
+    err, nan, ok = run(main())
+    assert isinstance(err, InvalidArgument)
+    assert math.isnan(nan[0].result)
+    assert ok[0].result == "ok"
+
+
+def test_wrong_result_count_is_internal():
+    async def main():
+        b = make(lambda payloads: payloads[:-1])
+        try:
+            with pytest.raises(Internal, match="returned 1 results for a batch of 2"):
+                await b.run([(8, 1), (8, 2)])
+        finally:
+            await b.close()
+
+    run(main())
+
+
+def test_hanging_backend_deadline_and_close():
+    be = HangingBackend()
+
+    async def main():
+        b = make(be)
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceeded, match="computing"):
+            await b.run([(8, 1)], deadline=time.monotonic() + 0.2)
+        queued = asyncio.create_task(b.run([(8, 2)], deadline=time.monotonic() + 0.2))
+        with pytest.raises(DeadlineExceeded):
+            await queued
+        elapsed = time.monotonic() - t0
+        await b.close()
+        return elapsed
+
+    try:
+        assert run(main()) < 2.0
+    finally:
+        be.release.set()
+
+
+def test_timings_travel_with_units():
+    async def main():
+        be = FakeBackend(delay=0.05)
+        b = make(be, max_queue_delay=0.02)
+        units = await b.run([(8, 1), (12, 2)])
+        await b.close()
+        return units
+
+    units = run(main())
+    for u in units:
+        assert u.batch_size == 2
+        assert u.inference_s >= 0.05
+        assert 0.0 <= u.queue_s < 1.0
+        assert u.tokens in (8, 12)
+
+
+def test_observers_see_depth_and_batches():
+    depths, stats = [], []
+
+    async def main():
+        b = make(FakeBackend(), max_batch_size=8, on_queue_depth=depths.append, on_batch=stats.append)
+        await b.run([(4, 1), (10, 2)])
+        await b.close()
+
+    run(main())
+    assert depths[0] == 2 and depths[-1] == 0
+    assert stats[0].size == 2 and stats[0].real_tokens == 14 and stats[0].padded_tokens == 20
+
+
+def test_closed_batcher_refuses():
+    async def main():
+        b = make(FakeBackend())
+        await b.close()
+        from relserve.service.errors import Unavailable
+
+        with pytest.raises(Unavailable):
+            await b.run([(8, 1)])
+
+    run(main())
