@@ -1,0 +1,354 @@
+"""Greedy and beam search over the RNNsearch step API, as plain data for iteration-level batching.
+
+A decode step is schedule -> execute -> update (STYLE.md 2):
+
+    batch = build_step(beams)                       # plan: which source row / token / state per hypothesis
+    out = model.decode_step(batch.encoder, batch.source_index, batch.prev_tokens, batch.prev_hidden)
+    retired = apply_step(beams, batch, *out)        # per-request top-k; finished requests get .results
+
+``step(model, beams)`` does the three. A server loop keeps a list of live ``BeamState`` (one per request),
+appends new ones (``start_beams`` after ``model.encode``) and drops those with ``.done`` between steps.
+``apply_step`` never touches the model, so schedulers can be tested with fake log-probs.
+
+Rules (the same for every request, whatever else is in the batch):
+
+* Batch invariance: each request's candidates are selected from its own rows only; ties are broken by
+  (hypothesis index, token id), lowest first, so a request decodes the same alone or with others.
+* Scores are sums of log-probabilities. Ranking uses ``score / len(tokens) ** length_penalty`` (alpha,
+  default 1.0 = per-token average; 0 = raw sum). ``len(tokens)`` counts the final EOS.
+* Output length limit: ``max_length = min(int(max_len_a * src_len + max_len_b), max_len_cap)`` (at least 1),
+  counting EOS; ``src_len`` = real source tokens.
+* A hypothesis that selects EOS is finished: its ``tokens`` end with exactly one EOS and it never grows.
+  ``pad_token_id`` and ``bos_token_id`` are never generated.
+* Beam: each step takes the 2k best continuations; EOS ones ranked within the first k are finished, the
+  best k non-EOS ones stay live (fairseq's rule). A request is done once it has k finished hypotheses,
+  or when it reaches ``max_length`` (its live hypotheses then become ``truncated``). Results: the best
+  ``n_best`` finished ones; if fewer than ``n_best`` finished, truncated ones fill the list; the list is
+  sorted by normalised score and is never empty (C09).
+* Greedy is beam search with ``beam_size = n_best = 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .rnnsearch import EncoderState, RNNSearch
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """Per-request decoding knobs."""
+
+    beam_size: int = 5
+    n_best: int = 1
+    length_penalty: float = 1.0  # alpha in score / len ** alpha
+    max_len_a: float = 2.0
+    max_len_b: int = 10
+    max_len_cap: int = 256
+    return_alignment: bool = False
+
+    def __post_init__(self) -> None:
+        if self.beam_size < 1:
+            raise ValueError(f"beam_size must be >= 1, got {self.beam_size}")
+        if not 1 <= self.n_best <= self.beam_size:
+            raise ValueError(f"n_best must be in [1, beam_size={self.beam_size}], got {self.n_best}")
+        if self.max_len_cap < 1:
+            raise ValueError(f"max_len_cap must be >= 1, got {self.max_len_cap}")
+
+    def max_length(self, src_len: int) -> int:
+        return max(1, min(int(self.max_len_a * src_len + self.max_len_b), self.max_len_cap))
+
+
+@dataclass
+class Hypothesis:
+    """One output. ``tokens`` end with EOS iff ``finished``; ``truncated`` = stopped by the length limit.
+
+    ``alignment`` Float[len(tokens), src_len] (row i = α_i over the real source tokens) when requested."""
+
+    tokens: list[int]
+    score: float
+    normalized_score: float
+    finished: bool
+    truncated: bool
+    alignment: Tensor | None = None
+
+    def output_tokens(self, eos_token_id: int) -> list[int]:
+        """Tokens without the final EOS (what detokenization needs)."""
+        return self.tokens[:-1] if self.tokens and self.tokens[-1] == eos_token_id else list(self.tokens)
+
+
+@dataclass
+class BeamState:
+    """Live decoding state of one request (k = live hypotheses, t = tokens generated so far)."""
+
+    request_id: Any
+    encoder: EncoderState  # this request's source only (one row, unpadded)
+    options: DecodeOptions
+    max_length: int
+    eos_token_id: int
+    banned_token_ids: tuple[int, ...]
+    tokens: Tensor  # Long[k,t] generated tokens of live hypotheses (CPU)
+    last_tokens: Tensor  # Long[k] y_{i-1} (bos at the start) (model device)
+    scores: Tensor  # Float[k] summed log-probs (model device)
+    hidden: Tensor  # Float[k,n] s_{i-1}
+    alignment: Tensor | None  # Float[k,t,src_len] when options.return_alignment
+    finished: list[Hypothesis] = field(default_factory=list)
+    results: list[Hypothesis] | None = None  # set when done, sorted best first
+    steps: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.results is not None
+
+    @property
+    def num_live(self) -> int:
+        return 0 if self.done else self.tokens.shape[0]
+
+    @property
+    def source_length(self) -> int:
+        return self.encoder.mask.shape[1]
+
+
+def start_beams(
+    model: RNNSearch, state: EncoderState, options: DecodeOptions | list[DecodeOptions], request_ids: list | None = None
+) -> list[BeamState]:
+    """One ``BeamState`` per source row of ``state`` (from ``model.encode``)."""
+    cfg = model.config
+    rows = state.split()
+    opts = options if isinstance(options, list) else [options] * len(rows)
+    ids = request_ids if request_ids is not None else list(range(len(rows)))
+    if not len(opts) == len(ids) == len(rows):
+        raise ValueError(f"{len(rows)} sources, {len(opts)} options, {len(ids)} request ids")
+    banned = tuple(sorted({cfg.pad_token_id, cfg.bos_token_id} - {cfg.eos_token_id}))
+    return [new_beam(rid, row, opt, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, banned_token_ids=banned)
+            for rid, row, opt in zip(ids, rows, opts)]
+
+
+def new_beam(
+    request_id: Any,
+    encoder: EncoderState,
+    options: DecodeOptions,
+    *,
+    bos_token_id: int,
+    eos_token_id: int,
+    banned_token_ids: tuple[int, ...] = (),
+) -> BeamState:
+    """The start of one request's search: a single live hypothesis at y_0 = bos, s_0 = encoder.init_state."""
+    if encoder.num_sources != 1:
+        raise ValueError("new_beam takes a single-source EncoderState (see EncoderState.split)")
+    src_len = int(encoder.mask.shape[1])
+    device = encoder.init_state.device
+    return BeamState(
+        request_id=request_id,
+        encoder=encoder,
+        options=options,
+        max_length=options.max_length(src_len),
+        eos_token_id=eos_token_id,
+        banned_token_ids=tuple(banned_token_ids),
+        tokens=torch.zeros(1, 0, dtype=torch.long),
+        last_tokens=torch.full((1,), bos_token_id, dtype=torch.long, device=device),
+        scores=torch.zeros(1, dtype=torch.float32, device=device),
+        hidden=encoder.init_state,
+        alignment=encoder.annotations.new_zeros(1, 0, src_len) if options.return_alignment else None,
+    )
+
+
+@dataclass
+class StepBatch:
+    """Plan of one decoder step over live requests: hypotheses of beam r are rows ``spans[r]``."""
+
+    beams: list[BeamState]
+    encoder: EncoderState  # Float[R,S_max,...]: the live requests' sources stacked
+    source_index: Tensor  # Long[N] row of ``encoder`` each hypothesis reads
+    prev_tokens: Tensor  # Long[N]
+    prev_hidden: Tensor  # Float[N,n]
+    spans: list[tuple[int, int]]
+
+    @property
+    def num_hypotheses(self) -> int:
+        return int(self.source_index.shape[0])
+
+
+def build_step(beams: list[BeamState], encoder: EncoderState | None = None) -> StepBatch:
+    """Plan one step for the live (not done) beams. ``encoder``: a cached ``EncoderState.cat`` of exactly
+    these beams' encoders (rebuild it when the set of live requests changes); stacked here when omitted."""
+    beams = [b for b in beams if not b.done]
+    if not beams:
+        raise ValueError("build_step: no live beams")
+    if encoder is None:
+        encoder = EncoderState.cat([b.encoder for b in beams])
+    elif encoder.num_sources != len(beams):
+        raise ValueError(f"encoder has {encoder.num_sources} rows for {len(beams)} live beams")
+    spans, index, start = [], [], 0
+    for r, b in enumerate(beams):
+        k = b.num_live
+        spans.append((start, start + k))
+        index.append(torch.full((k,), r, dtype=torch.long))
+        start += k
+    device = encoder.annotations.device
+    return StepBatch(
+        beams=beams,
+        encoder=encoder,
+        source_index=torch.cat(index).to(device),
+        prev_tokens=torch.cat([b.last_tokens for b in beams]),
+        prev_hidden=torch.cat([b.hidden for b in beams]),
+        spans=spans,
+    )
+
+
+def _normalize(score: float, length: int, alpha: float) -> float:
+    return score / (max(length, 1) ** alpha) if alpha else score
+
+
+def _select_candidates(candidates: Tensor, count: int) -> tuple[list[int], list[float]]:
+    """The ``count`` best finite entries of Float[k,V] as flat indices (best first; ties: lowest index)."""
+    flat = candidates.reshape(-1)
+    count = min(count, flat.numel())
+    threshold = torch.topk(flat, count).values[-1]
+    if torch.isinf(threshold) and threshold < 0:
+        keep = torch.nonzero(torch.isfinite(flat)).squeeze(1)
+    else:
+        keep = torch.nonzero(flat >= threshold).squeeze(1)  # ascending index; includes every tie
+    values = flat[keep]
+    order = torch.sort(values, descending=True, stable=True).indices[:count]
+    return keep[order].tolist(), values[order].tolist()
+
+
+def _finish(beam: BeamState, truncated: list[Hypothesis]) -> None:
+    n_best, key = beam.options.n_best, (lambda h: -h.normalized_score)
+    results = sorted(beam.finished, key=key)[:n_best]  # sorted() is stable: earlier-finished wins ties
+    if len(results) < n_best:
+        results = sorted(results + sorted(truncated, key=key)[: n_best - len(results)], key=key)
+    beam.results = results
+    beam.hidden = beam.hidden[:0]
+    beam.tokens = beam.tokens[:0]
+
+
+def apply_step(
+    batch: StepBatch, log_probs: Tensor, new_hidden: Tensor, alignment: Tensor | None = None
+) -> list[BeamState]:
+    """Update each beam of ``batch`` from its own rows of the step outputs (``log_probs`` Float[N,V],
+    ``new_hidden`` Float[N,n], ``alignment`` Float[N,S_max]); returns the beams that finished in this step
+    (their ``results`` are set). Rows of other requests are never read: this is what makes decoding
+    batch invariant."""
+    retired = []
+    for beam, (lo, hi) in zip(batch.beams, batch.spans):
+        _update_beam(beam, log_probs[lo:hi], new_hidden[lo:hi], None if alignment is None else alignment[lo:hi])
+        if beam.done:
+            retired.append(beam)
+    return retired
+
+
+def _update_beam(beam: BeamState, log_probs: Tensor, new_hidden: Tensor, alignment: Tensor | None) -> None:
+    opts, eos, k = beam.options, beam.eos_token_id, beam.options.beam_size
+    log_probs = log_probs.float()
+    if beam.banned_token_ids:
+        log_probs = log_probs.clone()
+        log_probs[:, list(beam.banned_token_ids)] = float("-inf")
+    vocab = log_probs.shape[1]
+    candidates = beam.scores.unsqueeze(1) + log_probs  # Float[k',V]
+    flat_index, values = _select_candidates(candidates, 2 * k)
+    length = beam.tokens.shape[1] + 1
+    src_len = beam.source_length
+    step_alignment = None if alignment is None or beam.alignment is None else alignment[:, :src_len]
+
+    live_rows, live_tokens, live_scores = [], [], []
+    for rank, (idx, score) in enumerate(zip(flat_index, values)):
+        row, token = divmod(idx, vocab)
+        if token == eos:
+            if rank < k:
+                align = None
+                if step_alignment is not None:
+                    align = torch.cat([beam.alignment[row], step_alignment[row : row + 1]]).cpu()
+                beam.finished.append(
+                    Hypothesis(
+                        tokens=beam.tokens[row].tolist() + [eos],
+                        score=score,
+                        normalized_score=_normalize(score, length, opts.length_penalty),
+                        finished=True,
+                        truncated=False,
+                        alignment=align,
+                    )
+                )
+        elif len(live_rows) < k:
+            live_rows.append(row)
+            live_tokens.append(token)
+            live_scores.append(score)
+    beam.steps += 1
+
+    if live_rows:
+        rows = torch.tensor(live_rows, dtype=torch.long)
+        rows_dev = rows.to(new_hidden.device)
+        beam.tokens = torch.cat([beam.tokens[rows], torch.tensor(live_tokens, dtype=torch.long)[:, None]], dim=1)
+        beam.last_tokens = torch.tensor(live_tokens, dtype=torch.long, device=beam.last_tokens.device)
+        beam.scores = torch.tensor(live_scores, dtype=torch.float32, device=beam.scores.device)
+        beam.hidden = new_hidden.index_select(0, rows_dev)
+        if step_alignment is not None:
+            beam.alignment = torch.cat(
+                [beam.alignment.index_select(0, rows_dev), step_alignment.index_select(0, rows_dev)[:, None]], dim=1
+            )
+
+    if len(beam.finished) >= k or not live_rows:
+        _finish(beam, [])
+    elif length >= beam.max_length:
+        truncated = [
+            Hypothesis(
+                tokens=beam.tokens[i].tolist(),
+                score=s,
+                normalized_score=_normalize(s, length, opts.length_penalty),
+                finished=False,
+                truncated=True,
+                alignment=None if beam.alignment is None else beam.alignment[i].cpu(),
+            )
+            for i, s in enumerate(live_scores)
+        ]
+        _finish(beam, truncated)
+
+
+def step(model: RNNSearch, beams: list[BeamState], encoder: EncoderState | None = None) -> list[BeamState]:
+    """One schedule -> execute -> update step over the live beams; returns the beams retired by it."""
+    batch = build_step(beams, encoder)
+    log_probs, new_hidden, alignment = model.decode_step(
+        batch.encoder, batch.source_index, batch.prev_tokens, batch.prev_hidden
+    )
+    return apply_step(batch, log_probs, new_hidden, alignment)
+
+
+@torch.inference_mode()
+def beam_search(
+    model: RNNSearch, src_ids: Tensor, src_mask: Tensor, options: DecodeOptions | None = None
+) -> list[list[Hypothesis]]:
+    """Decode a batch of sources to completion; per source, its ``n_best`` hypotheses (best first)."""
+    options = options or DecodeOptions()
+    beams = start_beams(model, model.encode(src_ids, src_mask), options)
+    live = list(beams)
+    encoder = None
+    while live:
+        if encoder is None:
+            encoder = EncoderState.cat([b.encoder for b in live])
+        retired = step(model, live, encoder)
+        if retired:
+            live = [b for b in live if not b.done]
+            encoder = None  # membership changed: restack
+    return [b.results for b in beams]
+
+
+def greedy_search(
+    model: RNNSearch, src_ids: Tensor, src_mask: Tensor, options: DecodeOptions | None = None
+) -> list[Hypothesis]:
+    """Greedy decoding (beam search with beam_size = n_best = 1); one hypothesis per source."""
+    base = options or DecodeOptions()
+    opts = DecodeOptions(
+        beam_size=1,
+        n_best=1,
+        length_penalty=base.length_penalty,
+        max_len_a=base.max_len_a,
+        max_len_b=base.max_len_b,
+        max_len_cap=base.max_len_cap,
+        return_alignment=base.return_alignment,
+    )
+    return [hyps[0] for hyps in beam_search(model, src_ids, src_mask, opts)]
