@@ -10,8 +10,10 @@ and loads with `relserve.models.tokenization.load_tokenizer` and with transforme
 transformers 5 rebuilds a ``DebertaV2Tokenizer`` from the vocabulary alone (NFC, its own normaliser),
 which would drop our NFKC step; the generic class uses ``tokenizer.json`` as written.
 
-Training is deterministic for a given corpus and vocabulary size (the Unigram trainer has no random
-state; the corpus is read in a fixed order).
+Training is deterministic for a given corpus and vocabulary size: the corpus is read in a fixed order,
+and because the ``tokenizers`` Unigram trainer sums floats in hash-map order (last-bit jitter between
+runs, and a different order among equal scores), piece scores are rounded to 1e-8 and pieces after the
+specials are sorted by (score descending, piece) before saving, so the same input gives the same bytes.
 
     python -m relserve.models.train_tokenizer --data ../shared/data --out tok --vocab-size 8000
 """
@@ -88,7 +90,7 @@ def train_tokenizer(
     )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer.json").write_text(_canonical_json(tok.to_str()), encoding="utf-8")
     special_map = {
         "bos_token": "[CLS]",
         "eos_token": "[SEP]",
@@ -109,6 +111,27 @@ def train_tokenizer(
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n", encoding="utf-8")
     return out
+
+
+def _canonical_json(serialized: str) -> str:
+    """Round scores and order pieces canonically (see the module doc); specials keep ids 0..4."""
+    data = json.loads(serialized)
+    vocab = [(p, round(float(sc), 8)) for p, sc in data["model"]["vocab"]]
+    n = len(SPECIAL_TOKENS)
+    assert [p for p, _ in vocab[:n]] == SPECIAL_TOKENS
+    rest = vocab[n:]
+    # The trainer appends required single characters below every learned piece with scores that step
+    # down in hash-map order; hand the same score values out in code point order instead.
+    floor = min((sc for p, sc in rest if len(p) > 1), default=0.0)
+    tail = [(p, sc) for p, sc in rest if len(p) == 1 and sc < floor]
+    if tail:
+        tail_scores = sorted((sc for _, sc in tail), reverse=True)
+        tail_pieces = set(p for p, _ in tail)
+        rest = [ps for ps in rest if ps[0] not in tail_pieces]
+        rest += list(zip(sorted(tail_pieces), tail_scores))
+    data["model"]["vocab"] = vocab[:n] + sorted(rest, key=lambda ps: (-ps[1], ps[0]))
+    data["model"]["unk_id"] = SPECIAL_TOKENS.index("[UNK]")
+    return json.dumps(data, ensure_ascii=False, indent=2) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
