@@ -26,6 +26,10 @@ Rules (the same for every request, whatever else is in the batch):
   ``n_best`` finished ones; if fewer than ``n_best`` finished, truncated ones fill the list; the list is
   sorted by normalised score and is never empty (C09).
 * Greedy is beam search with ``beam_size = n_best = 1``.
+
+The model must be in eval mode (dropout off). Batch invariance is exact in the selection logic; the
+step's arithmetic is row-independent but a BLAS may round a row differently for another batch shape, so
+scores agree to ~1e-6 and only a near-exact tie could be resolved differently (not seen on CPU tests).
 """
 
 from __future__ import annotations
