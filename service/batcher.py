@@ -178,6 +178,8 @@ class Batcher:
                 f"{self.max_queue_size}; send a shorter request"
             )
         if len(self._queue) + len(items) > self.max_queue_size:
+            self._purge()  # expired or cancelled units must not hold places
+        if len(self._queue) + len(items) > self.max_queue_size:
             raise ResourceExhausted(
                 f"queue of model {self.name!r} is full: {len(self._queue)} sequences waiting, "
                 f"request needs {len(items)}, max_queue_size is {self.max_queue_size}; retry later"
@@ -245,16 +247,22 @@ class Batcher:
             await self._arrival.wait()
             self._arrival.clear()
             while self._queue:
-                self._purge()
-                if not self._queue:
-                    break
-                if self.max_queue_delay > 0:
-                    await self._linger()
+                try:
                     self._purge()
                     if not self._queue:
                         break
-                batch = self._take_batch()
-                await self._execute(batch)
+                    if self.max_queue_delay > 0:
+                        await self._linger()
+                        self._purge()
+                        if not self._queue:
+                            break
+                    batch = self._take_batch()
+                    await self._execute(batch)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # a bug here must not leave every later request hanging
+                    log.exception("model %r: batcher worker error; continuing", self.name)
+                    await asyncio.sleep(0.01)
 
     def _purge(self) -> None:
         """Drop cancelled units and fail expired ones before they cost compute."""

@@ -107,7 +107,7 @@ class TorchBackend:
         sep_id = int(getattr(tok, "sep_token_id", 2) or 2)
         short = _Item([cls_id, 5, 6, 7, sep_id])
         full = _Item([cls_id] + [5] * (self.max_seq_len - 2) + [sep_id])
-        n = max(1, min(4, self.config.max_batch_size, self.config.max_batch_tokens // self.max_seq_len))
+        n = max(1, min(2, self.config.max_batch_size, self.config.max_batch_tokens // self.max_seq_len))
         for batch in ([short], [full] * n):
             for res in self.run(batch):
                 if isinstance(res, Exception):
