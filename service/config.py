@@ -3,7 +3,8 @@
 Precedence: built-in defaults < ``--config FILE`` < command-line flags. Models come from the file's
 ``models:`` section and from ``--model NAME=DIR[,key=value...]`` (a CLI entry with the same name as a
 file entry replaces it). With no model anywhere, the default models shipped in ``<repo>/defaults/`` are
-served (``sentiment`` and ``qa``).
+served (``sentiment`` and ``qa``, plus ``translate-de-en`` and ``translate-de-en-deberta`` when their
+directories exist).
 
 Example file::
 
@@ -27,6 +28,16 @@ Example file::
         max_seq_len: 384
         doc_stride: 128
         max_answer_len: 30
+      - name: translate-de-en           # an RNNsearch directory (config.json model_type "rnnsearch")
+        path: defaults/translate-de-en
+        scheduling: iteration             # iteration (join/leave between decoder steps) | request
+        max_active_hypotheses: 256        # beam hypotheses decoded together per step
+        max_source_tokens: 256            # longer sources are INVALID_ARGUMENT
+        beam_size: 5                      # default when a request sends 0
+        max_len_a: 2.0                    # default max_length = min(int(a * source_tokens + b), max_output_tokens)
+        max_len_b: 10
+        max_output_tokens: 256            # the largest max_length a request may ask for
+        length_penalty: 1.0               # ranking: log_prob / num_tokens ** length_penalty
 
 This module does not import torch: whether CUDA exists is decided by the backend at load time, which
 calls :func:`check_dtype_for_device` once ``device: auto`` is resolved.
@@ -45,6 +56,12 @@ from .errors import ConfigError
 MIB = 1024 * 1024
 DEFAULTS_DIR = Path(__file__).resolve().parents[1] / "defaults"
 DEFAULT_MODELS: tuple[tuple[str, str], ...] = (("sentiment", "sentiment"), ("qa", "qa"))
+# Served by default only when their directory exists (translation models are produced separately).
+OPTIONAL_DEFAULT_MODELS: tuple[tuple[str, str], ...] = (
+    ("translate-de-en", "translate-de-en"), ("translate-de-en-deberta", "translate-de-en-deberta"),
+)
+SCHEDULING = ("iteration", "request")
+MAX_BEAM_SIZE = 16
 
 BACKENDS = ("torch",)
 DTYPES = ("float32", "float16", "bfloat16")
@@ -71,6 +88,15 @@ class ModelConfig:
     max_answer_len: int = 30
     instances: int = 1
     warmup: bool = True
+    # translation (RNNsearch) models only
+    scheduling: str = "iteration"
+    max_active_hypotheses: int = 256
+    max_source_tokens: int = 256
+    beam_size: int = 5
+    max_len_a: float = 2.0
+    max_len_b: int = 10
+    max_output_tokens: int = 256
+    length_penalty: float = 1.0
 
     def resolved_max_seq_len(self, model_max: int | None) -> int:
         """The sequence length fed to the model: the configured one, else min(model max, 512).
@@ -112,6 +138,8 @@ _MODEL_TYPES: dict[str, type] = {
     "name": str, "path": str, "backend": str, "device": str, "dtype": str,
     "max_batch_size": int, "max_batch_tokens": int, "max_queue_delay": float, "max_queue_size": int,
     "max_seq_len": int, "doc_stride": int, "max_answer_len": int, "instances": int, "warmup": bool,
+    "scheduling": str, "max_active_hypotheses": int, "max_source_tokens": int, "beam_size": int,
+    "max_len_a": float, "max_len_b": int, "max_output_tokens": int, "length_penalty": float,
 }
 _SERVER_TYPES: dict[str, type] = {
     "host": str, "port": int, "metrics_port": int, "max_receive_message_length": int,
@@ -214,6 +242,17 @@ def validate_model(m: ModelConfig) -> ModelConfig:
                 f"{where}: max_batch_tokens {m.max_batch_tokens} must be >= max_seq_len {m.max_seq_len} "
                 f"so that one full-length sequence fits in a batch"
             )
+    if m.scheduling not in SCHEDULING:
+        raise ConfigError(f"{where}: scheduling {m.scheduling!r} is not one of {list(SCHEDULING)}")
+    for key in ("max_active_hypotheses", "max_source_tokens", "max_output_tokens"):
+        if getattr(m, key) < 1:
+            raise ConfigError(f"{where}: {key} must be >= 1, got {getattr(m, key)}")
+    if not 1 <= m.beam_size <= MAX_BEAM_SIZE:
+        raise ConfigError(f"{where}: beam_size must be between 1 and {MAX_BEAM_SIZE}, got {m.beam_size}")
+    if m.max_len_a < 0 or m.max_len_b < 0:
+        raise ConfigError(f"{where}: max_len_a and max_len_b must be >= 0, got {m.max_len_a} and {m.max_len_b}")
+    if not 0 <= m.length_penalty <= 10:
+        raise ConfigError(f"{where}: length_penalty must be between 0 and 10, got {m.length_penalty}")
     if m.instances != 1:
         raise ConfigError(f"{where}: instances must be 1 (several instances per model are not supported yet)")
     return m
@@ -313,6 +352,10 @@ def load_config(
                     f"pass --model NAME=DIR or a config file with models"
                 )
             models[name] = validate_model(ModelConfig(name=name, path=path))
+        for name, sub in OPTIONAL_DEFAULT_MODELS:
+            path = defaults_dir / sub
+            if (path / "config.json").is_file():
+                models[name] = validate_model(ModelConfig(name=name, path=path))
 
     cfg = ServerConfig(**server_values, models=tuple(models.values()))
     return validate_server(cfg)
