@@ -53,6 +53,18 @@ TOKENS = Counter(
 )
 QUEUE_DEPTH = Gauge("relserve_queue_depth", "Sequences waiting in the batch queue", ["model"])
 INFLIGHT = Gauge("relserve_inflight_requests", "RPCs being processed", ["model"])
+DECODE_STEPS = Counter("relserve_decode_steps", "Decoder steps executed (translation)", ["model"])
+GENERATED_TOKENS = Counter(
+    "relserve_generated_tokens", "Target tokens computed by decoder steps, one per live hypothesis per step",
+    ["model"],
+)
+ACTIVE_HYPOTHESES = Gauge(
+    "relserve_active_hypotheses", "Beam hypotheses in the decode loop (live after the last step)", ["model"]
+)
+DECODE_STEP_HYPOTHESES = Histogram(
+    "relserve_decode_step_hypotheses", "Hypotheses computed per decoder step", ["model"],
+    buckets=BATCH_SIZE_BUCKETS,
+)
 MODEL_INFO = Gauge(
     "relserve_model_info", "Loaded models (value 1)", ["model", "family", "task", "backend", "device", "dtype"]
 )
@@ -132,6 +144,22 @@ def observe_batch(model: str, backend: str, size: int, real_tokens: int, padded_
     q = QUEUE_DURATION.labels(model)
     for s in queue_s:
         q.observe(s)
+
+
+def observe_decode_step(model: str, backend: str, hypotheses: int, seconds: float) -> None:
+    """One decoder step over ``hypotheses`` rows (each computes one target token)."""
+    DECODE_STEPS.labels(model).inc()
+    GENERATED_TOKENS.labels(model).inc(hypotheses)
+    DECODE_STEP_HYPOTHESES.labels(model).observe(hypotheses)
+    INFERENCE_DURATION.labels(model, backend).observe(seconds)
+
+
+def set_active_hypotheses(model: str, n: int) -> None:
+    ACTIVE_HYPOTHESES.labels(model).set(n)
+
+
+def observe_queue(model: str, seconds: float) -> None:
+    QUEUE_DURATION.labels(model).observe(seconds)
 
 
 def set_model_info(model: str, family: str, task: str, backend: str, device: str, dtype: str) -> None:
