@@ -84,6 +84,8 @@ class Batcher:
         max_queue_size: units allowed to wait; beyond it submissions raise ResourceExhausted.
         is_padded: whether the backend pads a batch to its longest member.
         bucket_width: tokens per length bucket when grouping similar lengths.
+        length_bucketing: group similar lengths (default); False takes units in arrival order, which
+            pads more (the switch exists to measure what bucketing saves).
         on_queue_depth: called with the number of waiting units whenever it changes.
         on_batch: called with a :class:`BatchStats` after each execution.
     """
@@ -99,6 +101,7 @@ class Batcher:
         max_queue_size: int = 1024,
         is_padded: bool = True,
         bucket_width: int = 32,
+        length_bucketing: bool = True,
         on_queue_depth: Callable[[int], None] = _noop,
         on_batch: Callable[[BatchStats], None] = _noop,
     ) -> None:
@@ -112,6 +115,7 @@ class Batcher:
         self.max_queue_size = max_queue_size
         self.is_padded = is_padded
         self.bucket_width = max(1, bucket_width)
+        self.length_bucketing = length_bucketing
         self._on_queue_depth = on_queue_depth
         self._on_batch = on_batch
         self._queue: list[Unit] = []
@@ -307,13 +311,16 @@ class Batcher:
         return size * longest if self.is_padded else total
 
     def _take_batch(self) -> list[Unit]:
-        """Oldest unit first, then the closest length buckets, within both limits."""
+        """Oldest unit first, then the closest length buckets (or arrival order), within both limits."""
         anchor = self._queue[0]
         bucket = anchor.tokens // self.bucket_width
-        order = sorted(
-            range(1, len(self._queue)),
-            key=lambda i: (abs(self._queue[i].tokens // self.bucket_width - bucket), i),
-        )
+        if self.length_bucketing:
+            order = sorted(
+                range(1, len(self._queue)),
+                key=lambda i: (abs(self._queue[i].tokens // self.bucket_width - bucket), i),
+            )
+        else:
+            order = list(range(1, len(self._queue)))
         chosen = [0]
         longest, total = anchor.tokens, anchor.tokens
         for i in order:

@@ -23,6 +23,7 @@ Example file::
         max_batch_tokens: 8192            # padded tokens: batch size x longest sequence
         max_queue_delay: 0.005            # seconds
         max_queue_size: 1024              # units (sequences / QA windows) waiting
+        length_bucketing: true            # false: batches in arrival order (more padding)
       - name: qa
         path: defaults/qa
         max_seq_len: 384
@@ -88,6 +89,7 @@ class ModelConfig:
     max_answer_len: int = 30
     instances: int = 1
     warmup: bool = True
+    length_bucketing: bool = True  # batch similar lengths together (false: plain arrival order)
     # translation (RNNsearch) models only
     scheduling: str = "iteration"
     max_active_hypotheses: int = 256
@@ -138,6 +140,7 @@ _MODEL_TYPES: dict[str, type] = {
     "name": str, "path": str, "backend": str, "device": str, "dtype": str,
     "max_batch_size": int, "max_batch_tokens": int, "max_queue_delay": float, "max_queue_size": int,
     "max_seq_len": int, "doc_stride": int, "max_answer_len": int, "instances": int, "warmup": bool,
+    "length_bucketing": bool,
     "scheduling": str, "max_active_hypotheses": int, "max_source_tokens": int, "beam_size": int,
     "max_len_a": float, "max_len_b": int, "max_output_tokens": int, "length_penalty": float,
 }

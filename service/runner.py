@@ -183,6 +183,7 @@ class ModelRunner:
             max_queue_delay=self.config.max_queue_delay,
             max_queue_size=self.config.max_queue_size,
             is_padded=self.backend.is_padded,
+            length_bucketing=self.config.length_bucketing,
             on_queue_depth=lambda n: metrics.set_queue_depth(self.name, n),
             on_batch=self._observe_batch,
         )
