@@ -18,7 +18,7 @@ import grpc
 
 from . import metrics
 from ._proto import inference_pb2, inference_pb2_grpc
-from .backends import TASK_CLASSIFICATION, TASK_QA
+from .backends import TASK_CLASSIFICATION, TASK_QA, TASK_TRANSLATION
 from .errors import InvalidArgument, to_status
 from .runner import ModelRegistry
 
@@ -169,3 +169,44 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         for a in result.answers:
             reply.answers.add(text=a.text, start=a.start, end=a.end, score=a.score, is_impossible=a.is_impossible)
         return reply
+
+    # ------------------------------------------------------------------ translation
+
+    def _translation_request(self, runner, request):
+        return runner.request(int(request.beam_size), int(request.n_best), int(request.max_length),
+                              bool(request.return_alignment))
+
+    @_rpc(TASK_TRANSLATION)
+    async def Translate(self, request, context, scope):
+        runner = self._enter(scope, request.model, TASK_TRANSLATION)
+        texts = list(request.texts)
+        if not texts:
+            raise InvalidArgument("texts is empty; send at least one text")
+        req = self._translation_request(runner, request)
+        items = await runner.translate(texts, req, _deadline(context))
+        reply = inference_pb2.TranslateResponse()
+        for item in items:
+            _translation_result(reply.results.add(), item)
+        return reply
+
+    @_rpc(TASK_TRANSLATION)
+    async def TranslateStream(self, request, context, scope):
+        runner = self._enter(scope, request.model, TASK_TRANSLATION)
+        req = self._translation_request(runner, request)
+        async for event in runner.translate_stream(request.text, req, _deadline(context)):
+            msg = inference_pb2.TranslateStreamResponse(text=event.text, tokens=event.tokens, step=event.step,
+                                                        final=event.final)
+            if event.result is not None:
+                _translation_result(msg.result, event.result)
+            await context.write(msg)
+
+
+def _translation_result(out, item) -> None:
+    out.num_source_tokens = item.num_source_tokens
+    for h in item.hypotheses:
+        hyp = out.hypotheses.add(text=h.text, score=h.score, log_prob=h.log_prob, tokens=h.tokens,
+                                 token_ids=h.token_ids, truncated=h.truncated)
+        if h.alignment is not None:
+            hyp.alignment.source_tokens.extend(h.alignment.source_tokens)
+            hyp.alignment.target_tokens.extend(h.alignment.target_tokens)
+            hyp.alignment.weights.extend(h.alignment.weights)

@@ -335,7 +335,7 @@ class ModelRegistry:
         if not runner.ready:
             raise Unavailable(f"model {name!r} is not ready yet (state: {runner.state}); retry later")
         if runner.task != task:
-            rpc = "Classify" if runner.task == TASK_CLASSIFICATION else "Answer"
+            rpc = {TASK_CLASSIFICATION: "Classify", TASK_QA: "Answer"}.get(runner.task or "", "Translate")
             raise FailedPrecondition(
                 f"model {name!r} is a {runner.task} model and cannot serve {task}; use {rpc} instead"
             )
@@ -346,8 +346,14 @@ class ModelRegistry:
         return bool(self.runners) and all(r.ready for r in self.runners.values())
 
 
-def build_runner(config: ModelConfig) -> ModelRunner:
-    """A runner with the backend named in the config (imports torch for the torch backend)."""
-    from .backends import create_backend
+def build_runner(config: ModelConfig):
+    """A runner with the backend named in the config (imports torch for the torch backend): a
+    :class:`relserve.service.translation.TranslationRunner` for RNNsearch directories (config.json
+    model_type "rnnsearch"), else a :class:`ModelRunner`."""
+    from .backends import TASK_TRANSLATION, checkpoint_task, create_backend, create_translation_backend
 
+    if checkpoint_task(config.path) == TASK_TRANSLATION:
+        from .translation import TranslationRunner
+
+        return TranslationRunner(config, create_translation_backend(config))
     return ModelRunner(config, create_backend(config))

@@ -13,7 +13,9 @@ This package does not import torch; :func:`create_backend` imports a backend mod
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from ..config import ModelConfig
@@ -21,6 +23,8 @@ from ..errors import ConfigError
 
 TASK_CLASSIFICATION = "classification"
 TASK_QA = "question-answering"
+TASK_TRANSLATION = "translation"
+TRANSLATION_MODEL_TYPES = ("rnnsearch",)
 
 
 @dataclass(frozen=True)
@@ -69,3 +73,27 @@ def create_backend(config: ModelConfig) -> Backend:
 
         return TorchBackend(config)
     raise ConfigError(f"model {config.name!r}: backend {config.backend!r} is not available")
+
+
+def checkpoint_task(path: str | Path) -> str | None:
+    """``TASK_TRANSLATION`` when ``<path>/config.json`` says ``model_type`` "rnnsearch"; None otherwise (the
+    encoder checkpoints decide their task from ``architectures`` when loaded). Reads JSON only, no torch."""
+    cfg = Path(path) / "config.json"
+    try:
+        model_type = json.loads(cfg.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return TASK_TRANSLATION if model_type in TRANSLATION_MODEL_TYPES else None
+
+
+def create_translation_backend(config: ModelConfig):
+    """The translation (step) backend named by the model's config; see ``relserve.service.decode_loop``.
+
+    Raises:
+        ConfigError: unknown backend.
+    """
+    if config.backend == "torch":
+        from .translation_torch import TorchTranslationBackend
+
+        return TorchTranslationBackend(config)
+    raise ConfigError(f"model {config.name!r}: backend {config.backend!r} cannot serve translation models")

@@ -1,0 +1,577 @@
+"""Iteration-level batching for translation: schedule -> execute -> update, as plain data (no torch).
+
+A request is split into *sequences* (one source text each). A sequence waits in a FIFO queue, is encoded
+together with other waiting sequences (the encoder phase), then joins the decode loop, where every live
+beam hypothesis of every active sequence advances by one target token per step. Between two steps the
+loop
+
+1. drops what must not be computed any more: sequences whose reply slot is done (the client cancelled,
+   or another text of the same request failed) and sequences whose deadline passed (they get
+   :class:`DeadlineExceeded`); their backend state is released;
+2. admits waiting sequences, oldest first, as long as the hypotheses they may grow to (``beam_size``
+   each, reserved at admission) fit in ``max_active_hypotheses`` and the encoder batch fits
+   ``max_batch_size`` sequences and ``max_batch_tokens`` padded tokens (a single sequence that does not
+   fit an empty loop is still admitted, alone). Admission is strictly FIFO: a sequence never overtakes
+   an older one;
+3. runs one step: the plan (:class:`StepPlan`) is the ids of the active sequences and their live
+   hypothesis counts; the backend executes it in the model's executor thread, off the event loop;
+4. updates: each sequence reads only its own :class:`SeqUpdate`; finished sequences leave and their
+   reply slot gets the n-best list; streaming sequences get their best hypothesis so far.
+
+A step that raises fails only the sequences in that step (waiting ones are untouched); an update that
+is an Exception, or carries a non-finite score, fails only its own sequence.
+
+``scheduling="request"`` is the classic request-level alternative used as the benchmark's baseline: a
+group of sequences is admitted only when the loop is empty and decoded to completion before the next
+group is admitted (no joining between steps).
+
+The backend contract (:class:`StepBackend`) is three calls over plain data; the torch implementation is
+``relserve.service.backends.translation_torch``; tests drive the loop with fakes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+from .errors import DeadlineExceeded, Internal, RelserveError, ResourceExhausted, Unavailable
+
+log = logging.getLogger(__name__)
+
+SCHEDULING = ("iteration", "request")
+
+
+# ---------------------------------------------------------------------------------------------- plain data
+
+@dataclass(frozen=True)
+class DecodeParams:
+    """Per-sequence decoding knobs, already validated and resolved (``max_length`` counts the EOS)."""
+
+    beam_size: int = 5
+    n_best: int = 1
+    max_length: int = 64
+    length_penalty: float = 1.0
+    return_alignment: bool = False
+
+
+@dataclass
+class HypothesisOut:
+    """One output hypothesis. ``token_ids`` exclude the final EOS; ``alignment`` (when asked) is a float
+    array ``[len(token_ids) + finished, source_len]`` (row i: attention weights when target token i was
+    produced)."""
+
+    token_ids: list[int]
+    log_prob: float
+    score: float          # length-normalised (the ranking key)
+    finished: bool
+    truncated: bool
+    alignment: Any = None
+
+
+@dataclass
+class SeqUpdate:
+    """What one step did to one sequence."""
+
+    live: int                     # live hypotheses after the step (0 once finished)
+    best_tokens: list[int]        # the best live hypothesis so far (result's best once finished)
+    best_score: float             # its summed log-probability
+    results: list[HypothesisOut] | None = None  # set in the step where the sequence finished
+
+
+@dataclass(frozen=True)
+class StartItem:
+    seq_id: int
+    source_ids: list[int]
+    params: DecodeParams
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One decoder step: the active sequences (admission order) and their live hypothesis counts."""
+
+    seq_ids: tuple[int, ...]
+    hypotheses: tuple[int, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(self.hypotheses)
+
+
+class StepBackend(Protocol):
+    """What the loop needs from a model. All calls come from the loop's executor thread, one at a time."""
+
+    name: str
+
+    def start(self, items: Sequence[StartItem]) -> Sequence[int | Exception]:
+        """Encode the sources (one padded batch) and create their beams; per item its live hypotheses
+        (1 at the start) or an Exception."""
+        ...
+
+    def step(self, plan: StepPlan) -> Sequence[SeqUpdate | Exception]:
+        """Advance every live hypothesis of the planned sequences by one token; one update per sequence.
+        A sequence whose update has ``results`` is finished and forgotten by the backend."""
+        ...
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        """Forget these sequences (dropped: cancelled, expired, failed). Unknown ids are ignored."""
+        ...
+
+
+class LoopObserver:
+    """Hooks the runner turns into metrics (no-ops here)."""
+
+    def queue_depth(self, n: int) -> None: ...
+
+    def encoded(self, size: int, real_tokens: int, padded_tokens: int, seconds: float,
+                queue_s: Sequence[float]) -> None: ...
+
+    def stepped(self, hypotheses: int, seconds: float) -> None: ...
+
+    def active(self, hypotheses: int) -> None: ...
+
+
+OnUpdate = Callable[[SeqUpdate, int], None]
+
+
+@dataclass(eq=False)
+class DecodeSeq:
+    """One source in the loop: its size, knobs, deadline, reply slot and timings."""
+
+    seq_id: int
+    source_ids: list[int]
+    params: DecodeParams
+    deadline: float | None
+    future: asyncio.Future
+    on_update: OnUpdate | None = None
+    enqueued_at: float = field(default_factory=time.monotonic)
+    queue_s: float = 0.0      # enqueue -> encoder batch start
+    encode_s: float = 0.0     # the encoder batch it ran in
+    decode_s: float = 0.0     # sum of the steps it took part in
+    steps: int = 0
+    live: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return len(self.source_ids)
+
+    @property
+    def result(self) -> list[HypothesisOut]:
+        return self.future.result()
+
+
+def _fail(seq: DecodeSeq, exc: BaseException) -> None:
+    if not seq.future.done():
+        seq.future.set_exception(exc)
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+
+class DecodeLoop:
+    """The decode loop of one translation model.
+
+    Args:
+        name: model name (messages, executor thread name).
+        backend: a :class:`StepBackend`.
+        scheduling: ``"iteration"`` (join/leave between steps) or ``"request"`` (groups run to completion).
+        max_active_hypotheses: hypotheses per step; each active sequence reserves ``beam_size``.
+        max_batch_size: sequences per encoder batch.
+        max_batch_tokens: padded source tokens per encoder batch (size x longest).
+        max_queue_delay: seconds an idle loop waits for company before encoding the first arrival.
+        max_queue_size: sequences allowed to wait; beyond it submissions raise ResourceExhausted.
+        observer: metrics hooks.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        backend: StepBackend,
+        *,
+        scheduling: str = "iteration",
+        max_active_hypotheses: int = 256,
+        max_batch_size: int = 32,
+        max_batch_tokens: int = 8192,
+        max_queue_delay: float = 0.0,
+        max_queue_size: int = 1024,
+        observer: LoopObserver | None = None,
+    ) -> None:
+        if scheduling not in SCHEDULING:
+            raise ValueError(f"scheduling {scheduling!r} is not one of {SCHEDULING}")
+        if min(max_active_hypotheses, max_batch_size, max_batch_tokens, max_queue_size) < 1 or max_queue_delay < 0:
+            raise ValueError("decode loop limits must be positive (max_queue_delay >= 0)")
+        self.name = name
+        self.backend = backend
+        self.scheduling = scheduling
+        self.max_active_hypotheses = max_active_hypotheses
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_queue_delay = max_queue_delay
+        self.max_queue_size = max_queue_size
+        self.observer = observer or LoopObserver()
+        self._waiting: list[DecodeSeq] = []
+        self._active: list[DecodeSeq] = []
+        self._ids = itertools.count()
+        self._wake: asyncio.Event | None = None
+        self._worker: asyncio.Task | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closed = False
+        # counters for tests and logs
+        self.steps = 0
+        self.encoder_batches = 0
+        self.plans: list[StepPlan] = []  # the last few plans (bounded), for tests
+        self.max_plans_kept = 1000
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if self._worker is not None:
+            return
+        self._wake = asyncio.Event()
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"relserve-{self.name}")
+        self._worker = asyncio.get_running_loop().create_task(self._work(), name=f"relserve-decode-{self.name}")
+
+    async def close(self) -> None:
+        """Stop: waiting and active sequences fail with UNAVAILABLE. A hung backend thread is abandoned."""
+        self._closed = True
+        for seq in self._waiting + self._active:
+            _fail(seq, Unavailable(f"model {self.name!r} is shutting down"))
+        dropped = [s.seq_id for s in self._active]
+        self._waiting.clear()
+        self._active.clear()
+        self.observer.queue_depth(0)
+        self.observer.active(0)
+        if self._worker is not None:
+            self._worker.cancel()
+            try:
+                await self._worker
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._worker = None
+        if dropped:
+            try:
+                self.backend.release(dropped)
+            except Exception:
+                log.exception("model %r: release on close failed", self.name)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active_sequences(self) -> int:
+        return len(self._active)
+
+    @property
+    def active_hypotheses(self) -> int:
+        return sum(s.live for s in self._active)
+
+    # ------------------------------------------------------------------ submission
+
+    def submit(self, items: Sequence[tuple[list[int], DecodeParams]], deadline: float | None = None,
+               on_update: OnUpdate | None = None) -> list[DecodeSeq]:
+        """Enqueue ``(source_ids, params)`` items as the sequences of one request (all or none).
+
+        Raises:
+            Unavailable: closed or not started.
+            DeadlineExceeded: the deadline already passed.
+            ResourceExhausted: the queue cannot take all the items (names max_queue_size).
+        """
+        if self._closed or self._worker is None or self._wake is None:
+            raise Unavailable(f"model {self.name!r} is not accepting requests (not started or shutting down)")
+        now = time.monotonic()
+        if deadline is not None and deadline <= now:
+            raise DeadlineExceeded(f"deadline passed before the request reached the queue of model {self.name!r}")
+        if len(self._waiting) + len(items) > self.max_queue_size:
+            self._drop_dead_waiting()
+        if len(self._waiting) + len(items) > self.max_queue_size:
+            raise ResourceExhausted(
+                f"queue of model {self.name!r} is full: {len(self._waiting)} texts waiting, request has "
+                f"{len(items)}, max_queue_size is {self.max_queue_size}; retry later"
+            )
+        loop = asyncio.get_running_loop()
+        seqs = [
+            DecodeSeq(seq_id=next(self._ids), source_ids=list(ids), params=params, deadline=deadline,
+                      future=loop.create_future(), on_update=on_update, enqueued_at=now)
+            for ids, params in items
+        ]
+        self._waiting.extend(seqs)
+        self.observer.queue_depth(len(self._waiting))
+        self._wake.set()
+        return seqs
+
+    async def run(self, items: Sequence[tuple[list[int], DecodeParams]], deadline: float | None = None
+                  ) -> list[list[HypothesisOut]]:
+        """Submit and wait; one n-best list per item, in order."""
+        seqs = self.submit(items, deadline)
+        await self.wait(seqs, deadline)
+        return [s.result for s in seqs]
+
+    async def wait(self, seqs: list[DecodeSeq], deadline: float | None = None) -> list[DecodeSeq]:
+        """Wait for all of them. On the first failure, the deadline or cancellation of the caller, the
+        others are dropped (waiting ones leave the queue now, active ones at the next step).
+
+        Raises:
+            RelserveError: the first sequence's error; DeadlineExceeded on the deadline.
+            asyncio.CancelledError: the caller was cancelled.
+        """
+        futures = [s.future for s in seqs]
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            done, pending = await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+        except BaseException:
+            self.discard(seqs)
+            raise
+        errors = [f.exception() for f in futures if f in done and not f.cancelled()]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            self.discard(seqs)
+            raise first
+        if pending:
+            started = any(s.steps for s in seqs)
+            self.discard(seqs)
+            where = "while decoding" if started else "while waiting in the queue"
+            raise DeadlineExceeded(f"deadline exceeded {where} (model {self.name!r})")
+        return seqs
+
+    def discard(self, seqs: Sequence[DecodeSeq]) -> None:
+        """Cancel the reply slots; waiting ones leave the queue now, active ones before the next step."""
+        drop = {id(s) for s in seqs}
+        before = len(self._waiting)
+        self._waiting = [s for s in self._waiting if id(s) not in drop]
+        for s in seqs:
+            if not s.future.done():
+                s.future.cancel()
+        if len(self._waiting) != before:
+            self.observer.queue_depth(len(self._waiting))
+
+    # ------------------------------------------------------------------ worker
+
+    async def _work(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._waiting or self._active:
+                try:
+                    self._drop_dead_waiting()
+                    await self._drop_dead_active()
+                    if self._waiting and (self.scheduling == "iteration" or not self._active):
+                        if not self._active and self.max_queue_delay > 0:
+                            await self._linger()
+                            self._drop_dead_waiting()
+                        batch = self._take_admissions()
+                        if batch:
+                            await self._encode(batch)
+                    if self._active:
+                        await self._step()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # a bug here must not leave every later request hanging
+                    log.exception("model %r: decode loop error; continuing", self.name)
+                    await asyncio.sleep(0.01)
+
+    def _drop_dead_waiting(self) -> None:
+        now = time.monotonic()
+        keep = []
+        for s in self._waiting:
+            if s.future.done():
+                continue
+            if s.deadline is not None and s.deadline <= now:
+                _fail(s, DeadlineExceeded(
+                    f"deadline passed after {now - s.enqueued_at:.3f} s in the queue of model {self.name!r}, "
+                    f"before decoding started"
+                ))
+                continue
+            keep.append(s)
+        if len(keep) != len(self._waiting):
+            self._waiting = keep
+            self.observer.queue_depth(len(keep))
+
+    async def _drop_dead_active(self) -> None:
+        now = time.monotonic()
+        keep, dropped = [], []
+        for s in self._active:
+            if s.future.done():
+                dropped.append(s)
+            elif s.deadline is not None and s.deadline <= now:
+                _fail(s, DeadlineExceeded(
+                    f"deadline passed after {s.steps} decoder steps of model {self.name!r}; the text's "
+                    f"hypotheses were dropped"
+                ))
+                dropped.append(s)
+            else:
+                keep.append(s)
+        if dropped:
+            self._active = keep
+            await self._release(dropped)
+            self.observer.active(self.active_hypotheses)
+
+    async def _release(self, seqs: Sequence[DecodeSeq]) -> None:
+        if not seqs or self._executor is None:
+            return
+        ids = [s.seq_id for s in seqs]
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.backend.release, ids)
+        except Exception:
+            log.exception("model %r: releasing %d sequences failed", self.name, len(ids))
+
+    async def _linger(self) -> None:
+        """An idle loop waits (at most max_queue_delay from the oldest arrival) for a fuller encoder batch."""
+        assert self._wake is not None
+        while self._waiting and not self._full_admission_waiting():
+            remaining = self._waiting[0].enqueued_at + self.max_queue_delay - time.monotonic()
+            if remaining <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
+
+    def _full_admission_waiting(self) -> bool:
+        if len(self._waiting) >= self.max_batch_size:
+            return True
+        if sum(s.params.beam_size for s in self._waiting) >= self.max_active_hypotheses:
+            return True
+        return len(self._waiting) * max(s.tokens for s in self._waiting) >= self.max_batch_tokens
+
+    def _reserved(self) -> int:
+        return sum(s.params.beam_size for s in self._active)
+
+    def _take_admissions(self) -> list[DecodeSeq]:
+        """Oldest first, stopping at the first that does not fit (strict FIFO)."""
+        reserved = self._reserved()
+        chosen: list[DecodeSeq] = []
+        longest = 0
+        for s in self._waiting:
+            if len(chosen) >= self.max_batch_size:
+                break
+            empty = not chosen and not self._active
+            if reserved + s.params.beam_size > self.max_active_hypotheses and not empty:
+                break
+            if (len(chosen) + 1) * max(longest, s.tokens) > self.max_batch_tokens and chosen:
+                break
+            chosen.append(s)
+            reserved += s.params.beam_size
+            longest = max(longest, s.tokens)
+        if chosen:
+            self._waiting = self._waiting[len(chosen):]
+            self.observer.queue_depth(len(self._waiting))
+        return chosen
+
+    async def _encode(self, batch: list[DecodeSeq]) -> None:
+        assert self._executor is not None
+        start = time.monotonic()
+        for s in batch:
+            s.queue_s = start - s.enqueued_at
+        items = [StartItem(s.seq_id, s.source_ids, s.params) for s in batch]
+        self.encoder_batches += 1
+        try:
+            results = list(await asyncio.get_running_loop().run_in_executor(self._executor, self.backend.start, items))
+            if len(results) != len(batch):
+                raise Internal(f"backend of model {self.name!r} started {len(results)} of {len(batch)} sources")
+        except asyncio.CancelledError:
+            for s in batch:
+                _fail(s, Unavailable(f"model {self.name!r} is shutting down"))
+            raise
+        except Exception as exc:  # only this encoder batch fails
+            results = [self._as_error(exc, f"encoding a batch of {len(batch)}")] * len(batch)
+        elapsed = time.monotonic() - start
+        joined, dropped = [], []
+        for s, res in zip(batch, results):
+            s.encode_s = elapsed
+            if isinstance(res, BaseException):
+                _fail(s, res)
+                dropped.append(s)
+            elif s.future.done():  # cancelled while encoding
+                dropped.append(s)
+            else:
+                s.live = int(res)
+                joined.append(s)
+        self._active.extend(joined)
+        await self._release(dropped)
+        longest = max(s.tokens for s in batch)
+        try:
+            self.observer.encoded(len(batch), sum(s.tokens for s in batch), len(batch) * longest, elapsed,
+                                  [s.queue_s for s in batch])
+            self.observer.active(self.active_hypotheses)
+        except Exception:
+            log.exception("model %r: observer failed", self.name)
+
+    async def _step(self) -> None:
+        assert self._executor is not None
+        seqs = list(self._active)
+        plan = StepPlan(tuple(s.seq_id for s in seqs), tuple(s.live for s in seqs))
+        self.plans.append(plan)
+        if len(self.plans) > self.max_plans_kept:
+            del self.plans[: len(self.plans) - self.max_plans_kept]
+        start = time.monotonic()
+        self.steps += 1
+        try:
+            updates = list(await asyncio.get_running_loop().run_in_executor(self._executor, self.backend.step, plan))
+            if len(updates) != len(seqs):
+                raise Internal(f"backend of model {self.name!r} returned {len(updates)} updates for {len(seqs)} texts")
+        except asyncio.CancelledError:
+            for s in seqs:
+                _fail(s, Unavailable(f"model {self.name!r} is shutting down"))
+            raise
+        except Exception as exc:  # the step failed: only the sequences in it hear about it
+            updates = [self._as_error(exc, f"a decoder step over {len(seqs)} texts")] * len(seqs)
+        elapsed = time.monotonic() - start
+        finished, dropped = set(), []
+        for s, up in zip(seqs, updates):
+            s.decode_s += elapsed
+            s.steps += 1
+            if isinstance(up, BaseException):
+                _fail(s, up)
+                dropped.append(s)
+                continue
+            bad = not math.isfinite(up.best_score) or any(not math.isfinite(h.log_prob) or not math.isfinite(h.score)
+                                                         for h in up.results or ())
+            if bad:
+                _fail(s, Internal(f"model {self.name!r} produced non-finite scores at decoder step {s.steps}"))
+                dropped.append(s)
+                continue
+            if s.future.done():  # cancelled or failed elsewhere while the step ran
+                if up.results is None:
+                    dropped.append(s)
+                else:
+                    finished.add(id(s))
+                continue
+            if up.results is not None:
+                if not up.results:
+                    _fail(s, Internal(f"model {self.name!r} finished a text with no hypotheses"))
+                else:
+                    s.future.set_result(up.results)
+                s.live = 0
+                finished.add(id(s))
+                continue
+            s.live = up.live
+            if s.on_update is not None:
+                try:
+                    s.on_update(up, s.steps)
+                except Exception:
+                    log.exception("model %r: stream update failed", self.name)
+        gone = finished | {id(s) for s in dropped}
+        self._active = [s for s in self._active if id(s) not in gone]
+        await self._release(dropped)
+        try:
+            self.observer.stepped(plan.total, elapsed)
+            self.observer.active(self.active_hypotheses)
+        except Exception:
+            log.exception("model %r: observer failed", self.name)
+
+    def _as_error(self, exc: BaseException, what: str) -> RelserveError:
+        if isinstance(exc, RelserveError):
+            return exc
+        log.error("model %r: %s failed: %s: %s", self.name, what, type(exc).__name__, exc,
+                  exc_info=(type(exc), exc, exc.__traceback__))
+        return Internal(f"model {self.name!r} failed on {what}: {type(exc).__name__}: {exc}")
