@@ -1,0 +1,449 @@
+"""``python -m relserve.loadtest`` (also ``relserve loadtest``): load-test a running relserve server.
+
+    python -m relserve.loadtest run   --scenario classify --concurrency 16 --requests 2000
+    python -m relserve.loadtest run   --scenario mix --rate 50 --duration 60
+    python -m relserve.loadtest sweep --scenario classify --slo-ms 100 --rates 10,20,40,80 --step-duration 10
+    python -m relserve.loadtest soak  --requests 20000 --concurrency 8
+
+Common flags: ``--target host:port`` (default 127.0.0.1:50051), ``--metrics-url`` (default
+``http://<target host>:8002/metrics``; ``none`` disables), ``--out DIR`` (default ``loadtest-results``).
+Each command writes ``DIR/<name>.json`` and PNG plots beside it (``<name>-latency.png``,
+``<name>-timeline.png``; ``<name>-sweep.png`` for sweeps); ``<name>`` defaults to ``<command>-<scenario>``.
+
+Exit codes: 0 done (request errors are results, not failures; a scenario the server cannot serve, e.g.
+``translate`` without a translation model, is skipped with a message), 1 the server could not be reached,
+2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+from urllib.parse import urlsplit
+
+import grpc
+
+from . import generator, promscrape, report
+from .scenarios import SCENARIOS, Scenario, ScenarioUnavailable, models_by_kind, parse_weights
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_METRICS_PORT = 8002
+
+
+@dataclass
+class LoadSpec:
+    """One load run. Exactly one of ``rate`` (open loop) and ``concurrency`` (closed loop)."""
+
+    target: str = DEFAULT_TARGET
+    scenario: str = "classify"
+    rate: float | None = None
+    concurrency: int | None = None
+    requests: int | None = None
+    duration: float | None = None
+    metrics_url: str | None = None
+    models: dict[str, str | None] = field(default_factory=dict)  # kind -> model override
+    mix: dict[str, float] | None = None
+    batch: int = 1
+    beam_size: int = 0
+    timeout: float = 30.0
+    warmup: int = 0
+    seed: int = 0
+    progress: bool = True
+    rss_interval: float | None = None  # sample server RSS every N seconds during the run (soak)
+
+    @property
+    def mode(self) -> str:
+        return "open" if self.rate is not None else "closed"
+
+
+@dataclass
+class RunResult:
+    spec: LoadSpec
+    summary: dict[str, Any]
+    records: generator.Records
+    server: dict[str, Any] | None
+    rss_samples: list[tuple[float, float]]
+    models: dict[str, str]
+    skipped: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        s = self.spec
+        out: dict[str, Any] = {
+            "config": {
+                "target": s.target, "scenario": s.scenario, "mode": s.mode, "rate": s.rate,
+                "concurrency": s.concurrency, "requests_limit": s.requests, "duration_limit_s": s.duration,
+                "batch": s.batch, "timeout_s": s.timeout, "warmup": s.warmup, "seed": s.seed,
+                "metrics_url": s.metrics_url, "models": self.models,
+            },
+            "started_at": self.records.started_at,
+        }
+        if self.skipped:
+            out["skipped"] = self.skipped
+            return out
+        out.update(self.summary)
+        out["server"] = self.server
+        if self.rss_samples:
+            out["rss_samples"] = [{"t": t, "bytes": b} for t, b in self.rss_samples]
+        return out
+
+
+def default_metrics_url(target: str) -> str:
+    host = target.rsplit(":", 1)[0] if ":" in target else target
+    host = host.strip("[]") or "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{DEFAULT_METRICS_PORT}/metrics"
+
+
+def _scrape(url: str | None) -> promscrape.Snapshot | None:
+    if not url:
+        return None
+    try:
+        return promscrape.scrape(url)
+    except OSError as exc:
+        print(f"loadtest: warning: cannot scrape {url}: {exc}", file=sys.stderr)
+        return None
+
+
+class _Progress:
+    def __init__(self, enabled: bool, total: int | None, desc: str) -> None:
+        self.bar = None
+        self.errors = 0
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True,
+                            mininterval=0.5)
+
+    def __call__(self, code: str) -> None:
+        if self.bar is None:
+            return
+        if code != "OK":
+            self.errors += 1
+            self.bar.set_postfix(errors=self.errors, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+async def run_load(spec: LoadSpec) -> RunResult:
+    """Connect, discover models, (warm up), scrape, run the loop, scrape again; see :class:`LoadSpec`.
+
+    Raises:
+        ConnectionError: the server did not answer ListModels within ``spec.timeout``.
+        ValueError: inconsistent spec.
+    """
+    if (spec.rate is None) == (spec.concurrency is None):
+        raise ValueError("give exactly one of rate (open loop) and concurrency (closed loop)")
+    if spec.requests is None and spec.duration is None:
+        raise ValueError("bound the run with requests and/or duration")
+    ch = generator.channel(spec.target)
+    try:
+        try:
+            infos = await generator.list_models(ch, timeout=spec.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise ConnectionError(f"cannot reach relserve at {spec.target}: {exc.code().name}: {exc.details()}") \
+                from None
+        models = models_by_kind(infos, spec.models)
+        try:
+            scenario = Scenario(spec.scenario, models, weights=spec.mix, batch=spec.batch,
+                                beam_size=spec.beam_size, seed=spec.seed)
+        except ScenarioUnavailable as exc:
+            return RunResult(spec, {}, generator.Records(started_at=time.time()), None, [], models, skipped=str(exc))
+        used = dict(scenario.models)
+        if spec.warmup:
+            await generator.Engine(ch, timeout=spec.timeout).closed_loop(
+                scenario, spec.concurrency or 4, requests=spec.warmup, duration=None)
+        before = await asyncio.to_thread(_scrape, spec.metrics_url)
+        rss_samples: list[tuple[float, float]] = []
+        progress = _Progress(spec.progress, spec.requests, f"{spec.scenario} ({spec.mode} loop)")
+        engine = generator.Engine(ch, timeout=spec.timeout, on_done=progress)
+        sampler = None
+        if spec.rss_interval and spec.metrics_url and before is not None:
+            sampler = asyncio.create_task(_sample_rss(spec.metrics_url, spec.rss_interval, engine, rss_samples))
+        try:
+            if spec.rate is not None:
+                records = await engine.open_loop(scenario, spec.rate, requests=spec.requests,
+                                                 duration=spec.duration, seed=spec.seed)
+            else:
+                records = await engine.closed_loop(scenario, spec.concurrency or 1, requests=spec.requests,
+                                                   duration=spec.duration)
+        finally:
+            progress.close()
+            if sampler is not None:
+                sampler.cancel()
+                await asyncio.gather(sampler, return_exceptions=True)
+        after = await asyncio.to_thread(_scrape, spec.metrics_url)
+        server = None
+        if before is not None and after is not None:
+            server = promscrape.window_summary(before, after, models=sorted(set(used.values())))
+            rss1 = promscrape.rss_bytes(after)
+            if rss1 is not None:
+                rss_samples.append((records.elapsed, rss1))
+            rss0 = promscrape.rss_bytes(before)
+            if rss0 is not None and sampler is not None:
+                rss_samples.insert(0, (0.0, rss0))
+        return RunResult(spec, report.summarize(records), records, server, rss_samples if sampler else [], used)
+    finally:
+        await ch.close()
+
+
+async def _sample_rss(url: str, interval: float, engine: generator.Engine, out: list[tuple[float, float]]) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        snap = await asyncio.to_thread(_scrape, url)
+        rss = promscrape.rss_bytes(snap) if snap is not None else None
+        if rss is not None:
+            out.append((engine.now(), rss))
+
+
+def write_outputs(result: RunResult, out_dir: Path, name: str, plots: bool = True) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, Path] = {}
+    data = result.to_json()
+    if plots and not result.skipped and len(result.records):
+        title = f"relserve {result.spec.scenario} — {_describe(result.spec)}"
+        paths["latency_png"] = report.plot_latency(result.records, out_dir / f"{name}-latency.png", title)
+        paths["timeline_png"] = report.plot_timeline(result.records, out_dir / f"{name}-timeline.png", title,
+                                                     rss=result.rss_samples)
+    data["plots"] = {k: str(v) for k, v in paths.items()}
+    paths["json"] = report.write_json(data, out_dir / f"{name}.json")
+    return paths
+
+
+def _describe(spec: LoadSpec) -> str:
+    load = f"open loop {spec.rate:g} req/s" if spec.rate is not None else f"closed loop, {spec.concurrency} clients"
+    return load
+
+
+def _fmt(v: float | None, unit: str = "", digits: int = 1) -> str:
+    return "n/a" if v is None else f"{v:.{digits}f}{unit}"
+
+
+def print_summary(result: RunResult, paths: dict[str, Path], stream=sys.stdout) -> None:
+    if result.skipped:
+        print(f"skipped: {result.skipped}", file=stream)
+        return
+    s = result.summary
+    lat = s["latency_ms"]
+    print(f"{result.spec.scenario} ({_describe(result.spec)}) against {result.spec.target}, models {result.models}",
+          file=stream)
+    print(f"  requests {s['requests']}  ok {s['successes']}  errors {s['errors']} {s['errors_by_code'] or ''}",
+          file=stream)
+    print(f"  throughput {s['throughput_rps']:.1f} req/s over {s['duration_s']:.1f} s", file=stream)
+    print("  latency ms: " + "  ".join(f"{k} {_fmt(lat[k])}" for k in ("p50", "p90", "p99", "p99.9", "max")),
+          file=stream)
+    srv = result.server
+    if srv:
+        for model, m in srv["models"].items():
+            print(f"  server[{model}]: mean queue {_fmt(m['mean_queue_ms'], ' ms', 2)}, mean batch "
+                  f"{_fmt(m['mean_batch_size'], '', 2)}, padding ratio {_fmt(m['padding_ratio'], '', 3)} "
+                  f"({m['real_tokens']} real / {m['padding_tokens']} padding tokens)", file=stream)
+        if srv.get("rss_bytes_start") is not None:
+            print(f"  server RSS {srv['rss_bytes_start'] / 2**20:.1f} MiB -> {srv['rss_bytes_end'] / 2**20:.1f} MiB",
+                  file=stream)
+    for key, p in paths.items():
+        print(f"  {key}: {p}", file=stream)
+
+
+# ---------------------------------------------------------------------- sweep
+
+async def run_sweep(base: LoadSpec, rates: Sequence[float], slo_ms: float, *, max_error_rate: float = 0.0,
+                    stop_after_fail: bool = True) -> dict[str, Any]:
+    """Open-loop steps at increasing rates; the answer is the highest rate whose p99 (of successes) stays
+    under ``slo_ms`` with at most ``max_error_rate`` of requests failing."""
+    steps: list[dict[str, Any]] = []
+    best = None
+    models: dict[str, str] = {}
+    for i, rate in enumerate(rates):
+        spec = LoadSpec(**{**base.__dict__, "rate": float(rate), "concurrency": None,
+                           "warmup": base.warmup if i == 0 else 0})
+        res = await run_load(spec)
+        if res.skipped:
+            return {"skipped": res.skipped, "models": res.models}
+        models = res.models
+        s = res.summary
+        p99 = s["latency_ms"]["p99"]
+        err_frac = s["errors"] / s["requests"] if s["requests"] else 1.0
+        ok = p99 is not None and p99 < slo_ms and err_frac <= max_error_rate
+        step = {"rate": float(rate), "passed": ok, "requests": s["requests"], "successes": s["successes"],
+                "errors_by_code": s["errors_by_code"], "throughput_rps": s["throughput_rps"],
+                "latency_ms": s["latency_ms"], "server": res.server}
+        steps.append(step)
+        print(f"  rate {rate:g}/s: p99 {_fmt(p99, ' ms')}, throughput {s['throughput_rps']:.1f}/s, "
+              f"errors {s['errors']} -> {'pass' if ok else 'FAIL'}", file=sys.stderr)
+        if ok:
+            best = float(rate)
+        elif stop_after_fail:
+            break
+    return {"slo_ms": slo_ms, "max_error_rate": max_error_rate, "best_rate": best, "steps": steps,
+            "models": models}
+
+
+def sweep_rates(args: argparse.Namespace) -> list[float]:
+    if args.rates:
+        return [float(x) for x in args.rates.split(",") if x.strip()]
+    rates, r = [], args.start_rate
+    while r <= args.max_rate + 1e-9 and len(rates) < 50:
+        rates.append(round(r, 3))
+        r *= args.factor
+    return rates
+
+
+# ---------------------------------------------------------------------- command line
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m relserve.loadtest",
+                                     description="Load-test a running relserve server (gRPC).")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--target", default=DEFAULT_TARGET, help=f"server host:port (default {DEFAULT_TARGET})")
+        p.add_argument("--metrics-url", help="the server's Prometheus endpoint (default http://<target host>:"
+                                             f"{DEFAULT_METRICS_PORT}/metrics; 'none' disables scraping)")
+        p.add_argument("--scenario", choices=SCENARIOS, default="classify", help="what to send (default classify)")
+        p.add_argument("--classify-model", help="classification model (default: the first one the server lists)")
+        p.add_argument("--qa-model", help="QA model (default: the first one the server lists)")
+        p.add_argument("--translate-model", help="translation model (default: the first one the server lists)")
+        p.add_argument("--mix", help="weights for --scenario mix, e.g. classify=0.6,qa=0.3,translate=0.1")
+        p.add_argument("--batch", type=int, default=1, help="texts per Classify/Translate request (default 1)")
+        p.add_argument("--beam-size", type=int, default=0, help="Translate beam size (default: model default)")
+        p.add_argument("--timeout", type=float, default=30.0, help="per-request deadline in seconds (default 30)")
+        p.add_argument("--warmup", type=int, default=0, help="requests sent (not recorded) before the run")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--out", default="loadtest-results", help="output directory (default loadtest-results)")
+        p.add_argument("--name", help="output file stem (default <command>-<scenario>)")
+        p.add_argument("--no-plots", action="store_true", help="write the JSON only")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    run = sub.add_parser("run", help="one load run (open or closed loop)")
+    common(run)
+    loop = run.add_mutually_exclusive_group()
+    loop.add_argument("--rate", type=float, help="open loop: Poisson arrivals at this many requests/s")
+    loop.add_argument("--concurrency", type=int, help="closed loop: this many clients (default 8)")
+    run.add_argument("--requests", type=int, help="stop after this many requests (default 1000 if no --duration)")
+    run.add_argument("--duration", type=float, help="stop sending after this many seconds")
+
+    sweep = sub.add_parser("sweep", help="step the open-loop rate; find the highest rate whose p99 < --slo-ms")
+    common(sweep)
+    sweep.add_argument("--slo-ms", type=float, required=True, help="p99 latency objective in milliseconds")
+    sweep.add_argument("--rates", help="explicit comma-separated rates (req/s)")
+    sweep.add_argument("--start-rate", type=float, default=5.0, help="first rate (default 5/s)")
+    sweep.add_argument("--factor", type=float, default=1.5, help="rate multiplier per step (default 1.5)")
+    sweep.add_argument("--max-rate", type=float, default=1000.0, help="last rate tried (default 1000/s)")
+    sweep.add_argument("--step-duration", type=float, default=10.0, help="seconds per step (default 10)")
+    sweep.add_argument("--step-requests", type=int, help="also stop a step after this many requests")
+    sweep.add_argument("--max-error-rate", type=float, default=0.0,
+                       help="fraction of failed requests a passing step may have (default 0)")
+    sweep.add_argument("--keep-going", action="store_true", help="try every rate, even after one fails")
+
+    soak = sub.add_parser("soak", help="long closed-loop run sampling server RSS (process_resident_memory_bytes)")
+    common(soak)
+    soak.add_argument("--requests", type=int, default=20000, help="requests (default 20000)")
+    soak.add_argument("--duration", type=float, help="also stop after this many seconds")
+    soak.add_argument("--concurrency", type=int, default=8, help="clients (default 8)")
+    soak.add_argument("--sample-interval", type=float, default=2.0, help="seconds between RSS samples (default 2)")
+    return parser
+
+
+def spec_from_args(args: argparse.Namespace) -> LoadSpec:
+    metrics_url = args.metrics_url or default_metrics_url(args.target)
+    if metrics_url.lower() == "none":
+        metrics_url = None
+    elif not urlsplit(metrics_url).scheme:
+        metrics_url = f"http://{metrics_url}"
+    spec = LoadSpec(
+        target=args.target, scenario=args.scenario, metrics_url=metrics_url,
+        models={"classify": args.classify_model, "qa": args.qa_model, "translate": args.translate_model},
+        mix=parse_weights(args.mix), batch=args.batch, beam_size=args.beam_size, timeout=args.timeout,
+        warmup=args.warmup, seed=args.seed, progress=not args.no_progress,
+    )
+    if args.command == "run":
+        spec.rate = args.rate
+        spec.concurrency = None if args.rate is not None else (args.concurrency or 8)
+        spec.requests, spec.duration = args.requests, args.duration
+        if spec.requests is None and spec.duration is None:
+            spec.requests = 1000
+    elif args.command == "soak":
+        spec.concurrency = args.concurrency
+        spec.requests, spec.duration = args.requests, args.duration
+        spec.rss_interval = args.sample_interval
+    elif args.command == "sweep":
+        spec.duration, spec.requests = args.step_duration, args.step_requests
+        spec.progress = False
+    return spec
+
+
+def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    for key in ("requests", "concurrency", "step_requests"):
+        v = getattr(args, key, None)
+        if v is not None and v < 1:
+            parser.error(f"--{key.replace('_', '-')} must be >= 1")
+    for key in ("rate", "duration", "step_duration", "sample_interval", "slo_ms", "start_rate"):
+        v = getattr(args, key, None)
+        if v is not None and v <= 0:
+            parser.error(f"--{key.replace('_', '-')} must be > 0")
+    if args.batch < 1:
+        parser.error("--batch must be >= 1")
+    if args.timeout <= 0:
+        parser.error("--timeout must be > 0")
+    if args.command == "sweep" and not args.rates and args.factor <= 1:
+        parser.error("--factor must be > 1")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _validate(args, parser)
+    try:
+        spec = spec_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    name = args.name or f"{args.command}-{args.scenario}"
+    out_dir = Path(args.out)
+    try:
+        if args.command == "sweep":
+            result = asyncio.run(run_sweep(spec, sweep_rates(args), args.slo_ms, max_error_rate=args.max_error_rate,
+                                           stop_after_fail=not args.keep_going))
+            if result.get("skipped"):
+                print(f"skipped: {result['skipped']}")
+                out_dir.mkdir(parents=True, exist_ok=True)
+                report.write_json(result, out_dir / f"{name}.json")
+                return 0
+            out_dir.mkdir(parents=True, exist_ok=True)
+            paths = {}
+            if not args.no_plots and result["steps"]:
+                paths["sweep_png"] = report.plot_sweep(result["steps"], args.slo_ms, out_dir / f"{name}-sweep.png",
+                                                       f"relserve {args.scenario} rate sweep")
+            result["plots"] = {k: str(v) for k, v in paths.items()}
+            paths["json"] = report.write_json(result, out_dir / f"{name}.json")
+            best = result["best_rate"]
+            print(f"highest rate with p99 < {args.slo_ms:g} ms: "
+                  f"{'none of the rates tried' if best is None else f'{best:g} req/s'}")
+            for key, p in paths.items():
+                print(f"  {key}: {p}")
+            return 0
+        result = asyncio.run(run_load(spec))
+    except ConnectionError as exc:
+        print(f"loadtest: {exc}", file=sys.stderr)
+        return 1
+    paths = write_outputs(result, out_dir, name, plots=not args.no_plots)
+    print_summary(result, paths)
+    if args.command == "soak" and result.server and result.server.get("rss_bytes_start") is not None:
+        srv = result.server
+        peak = max([b for _, b in result.rss_samples] or [srv["rss_bytes_end"]])
+        print(f"  soak: RSS start {srv['rss_bytes_start'] / 2**20:.1f} MiB, end {srv['rss_bytes_end'] / 2**20:.1f} "
+              f"MiB, peak {peak / 2**20:.1f} MiB, growth {srv['rss_growth_bytes'] / 2**20:+.1f} MiB over "
+              f"{result.summary['requests']} requests")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
