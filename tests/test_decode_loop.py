@@ -319,3 +319,16 @@ def test_slow_steps_run_off_the_event_loop_and_stream_updates():
     assert all(name.startswith("relserve-m") for name in be.threads)
     assert seen == [(1, [40]), (2, [40, 41]), (3, [40, 41, 42]), (4, [40, 41, 42, 43])]
     assert result[0].token_ids == [40, 41, 42, 43, 44] and math.isfinite(result[0].score)
+
+
+def test_decode_loop_and_translation_runner_do_not_import_torch():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import relserve.service.decode_loop, relserve.service.translation, relserve.service.api\n"
+            "bad = [m for m in ('torch', 'onnxruntime') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env)

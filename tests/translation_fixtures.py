@@ -30,7 +30,7 @@ def sentence_pairs(limit: int = 400) -> list[tuple[str, str]]:
                 for line in f:
                     if line.strip():
                         r = json.loads(line)
-                        rows.append((r["source"], r["target"]))
+                        rows.append((r["source"], r.get("target", r["source"])))
                     if len(rows) >= limit:
                         break
             if rows:
