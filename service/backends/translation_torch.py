@@ -82,8 +82,9 @@ class TorchTranslationBackend:
     def warmup(self) -> None:
         """Encode two short sources and decode them a few steps with a beam of 2."""
         eos = int(self.model_config.eos_token_id)
+        v = int(self.model_config.src_vocab_size)
         params = DecodeParams(beam_size=2, n_best=1, max_length=4)
-        items = [StartItem(-1, [4, 5, 6, eos], params), StartItem(-2, [7, eos], params)]
+        items = [StartItem(-1, [min(i, v - 1) for i in (4, 5, 6)] + [eos], params), StartItem(-2, [min(7, v - 1), eos], params)]
         for r in self.start(items):
             if isinstance(r, Exception):
                 raise r
