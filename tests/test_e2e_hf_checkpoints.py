@@ -1,0 +1,214 @@
+"""End to end: random Hugging Face checkpoints served with ``--model`` agree with ``transformers``.
+
+This is how a user brings a checkpoint: ``save_pretrained`` output (config.json + model.safetensors or
+pytorch_model.bin) plus a tokenizer directory, served by the real ``relserve serve`` process on free
+loopback ports. The oracle is transformers' DebertaV2 (random-initialised from a config, no hub) with
+its AutoTokenizer on the same directory; QA spans are checked against an exhaustive span search over the
+oracle's logits and offsets (start <= end, length <= max_answer_len, context tokens only).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import grpc
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+
+from relserve.loadtest.serverproc import ServerProcess  # noqa: E402
+from relserve.service._proto import inference_pb2 as pb  # noqa: E402
+from relserve.service._proto import inference_pb2_grpc as pb_grpc  # noqa: E402
+
+TEXTS = [
+    "The film was a delight from start to finish.",
+    "Schlechter Service, ich komme nicht wieder.",
+    "这部电影非常好看。",
+    "ok",
+]
+PAIRS = ["It was good.", "Der Service war schlecht.", "电影很好。", "fine"]
+
+V3 = dict(  # DeBERTa-v3 style: shared keys, log buckets, no absolute positions, no token types
+    hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+    max_position_embeddings=512, relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=256,
+    max_relative_positions=-1, share_att_key=True, norm_rel_ebd="layer_norm", position_biased_input=False,
+    type_vocab_size=0, hidden_act="gelu",
+)
+V2 = dict(  # DeBERTa-v2 style: separate position projections, absolute positions, token types, conv
+    hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, embedding_size=24,
+    max_position_embeddings=512, relative_attention=True, pos_att_type="c2p|p2c", position_buckets=-1,
+    max_relative_positions=128, share_att_key=False, position_biased_input=True, type_vocab_size=2,
+    conv_kernel_size=3, conv_act="gelu",
+)
+
+
+def _randomise(model, seed: int) -> None:
+    # HF's std-0.02 init makes attention almost uniform, which would hide position bugs.
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+            elif "bias" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def _vocab_size(tok_dir) -> int:
+    return len(transformers.AutoTokenizer.from_pretrained(str(tok_dir)))
+
+
+def _save(tmp, name, head, cfg_kw, tok_dir, seed, safetensors=True):
+    from transformers import DebertaV2Config
+
+    extra = {"num_labels": 2}
+    if head == "cls":
+        extra.update(id2label={0: "negative", 1: "positive"}, label2id={"negative": 0, "positive": 1})
+    cfg = DebertaV2Config(vocab_size=_vocab_size(tok_dir), pad_token_id=0, **cfg_kw, **extra)
+    cls = (transformers.DebertaV2ForSequenceClassification if head == "cls"
+           else transformers.DebertaV2ForQuestionAnswering)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    _randomise(model, seed)
+    out = tmp / name
+    model.save_pretrained(str(out))
+    if not safetensors:  # the older pickle layout; transformers 5 no longer writes it itself
+        torch.save(model.state_dict(), out / "pytorch_model.bin")
+        (out / "model.safetensors").unlink()
+    for f in tok_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_server(tmp_path_factory, unigram_tokenizer_dir, spm_tokenizer_dir):
+    tmp = tmp_path_factory.mktemp("hf_ckpt")
+    dirs = {
+        "cls-v3": _save(tmp, "cls-v3", "cls", V3, spm_tokenizer_dir, 1),
+        "cls-v2": _save(tmp, "cls-v2", "cls", V2, unigram_tokenizer_dir, 2, safetensors=False),
+        "qa-v3": _save(tmp, "qa-v3", "qa", V3, spm_tokenizer_dir, 3),
+        "qa-v2": _save(tmp, "qa-v2", "qa", V2, unigram_tokenizer_dir, 4),
+    }
+    args = []
+    for name, d in dirs.items():
+        args += ["--model", f"{name}={d},max_queue_delay=0.02"]
+    srv = ServerProcess(args, env={"OMP_NUM_THREADS": "1"}).start()
+    channel = grpc.insecure_channel(srv.target)
+    try:
+        yield dirs, pb_grpc.InferenceStub(channel), channel
+    finally:
+        channel.close()
+        code = srv.stop()
+        srv.close()
+    assert code == 0
+
+
+def _hf_model(d):
+    from transformers import AutoModelForQuestionAnswering, AutoModelForSequenceClassification
+
+    cfg = transformers.AutoConfig.from_pretrained(str(d))
+    cls = (AutoModelForSequenceClassification if "SequenceClassification" in cfg.architectures[0]
+           else AutoModelForQuestionAnswering)
+    return cls.from_pretrained(str(d)).eval(), transformers.AutoTokenizer.from_pretrained(str(d))
+
+
+def _hf_probs(d, texts, pairs=None, max_length=512):
+    model, tok = _hf_model(d)
+    out = []
+    for i, t in enumerate(texts):
+        enc = tok(t, pairs[i] if pairs else None, truncation=True, max_length=max_length, return_tensors="pt")
+        if model.config.type_vocab_size == 0:
+            enc.pop("token_type_ids", None)
+        with torch.no_grad():
+            out.append(torch.softmax(model(**enc).logits[0], -1).numpy())
+    return out
+
+
+@pytest.mark.parametrize("name", ["cls-v3", "cls-v2"])
+def test_classify_probabilities_match_transformers(hf_server, name):
+    dirs, stub, _ = hf_server
+    long_text = " ".join(["word"] * 700)  # past 512 tokens: server truncates and says so (C08)
+    texts = TEXTS + [long_text]
+    reply = stub.Classify(pb.ClassifyRequest(model=name, texts=texts, top_k=0), timeout=60)
+    expected = _hf_probs(dirs[name], texts)
+    for res, exp in zip(reply.results, expected):
+        got = {ls.label: ls.score for ls in res.labels}
+        assert list(got) == sorted(got, key=got.get, reverse=True)  # best first
+        np.testing.assert_allclose([got["negative"], got["positive"]], exp, atol=1e-4)
+    assert [r.truncated for r in reply.results] == [False] * len(TEXTS) + [True]
+    assert reply.results[-1].num_tokens == 512
+
+
+def test_classify_text_pairs_match_transformers(hf_server):
+    dirs, stub, _ = hf_server
+    for name in ("cls-v3", "cls-v2"):
+        reply = stub.Classify(pb.ClassifyRequest(model=name, texts=TEXTS, text_pairs=PAIRS, top_k=1), timeout=60)
+        expected = _hf_probs(dirs[name], TEXTS, PAIRS)
+        for res, exp in zip(reply.results, expected):
+            assert len(res.labels) == 1
+            best = ["negative", "positive"][int(np.argmax(exp))]
+            assert res.labels[0].label == best
+            assert res.labels[0].score == pytest.approx(float(exp.max()), abs=1e-4)
+
+
+def _oracle_span(d, question, context, max_answer_len):
+    """Exhaustive best span over transformers' logits, mapped to trimmed character offsets."""
+    model, tok = _hf_model(d)
+    enc = tok(question, context, return_offsets_mapping=True, return_tensors="pt")
+    offsets = enc.pop("offset_mapping")[0].tolist()
+    seq_ids = enc.sequence_ids(0)
+    if model.config.type_vocab_size == 0:
+        enc.pop("token_type_ids", None)
+    with torch.no_grad():
+        out = model(**enc)
+    s, e = out.start_logits[0].numpy(), out.end_logits[0].numpy()
+    ctx = [i for i, sid in enumerate(seq_ids) if sid == 1]
+    best, best_score = None, -np.inf
+    for i in ctx:
+        for j in ctx:
+            if i <= j < i + max_answer_len and s[i] + e[j] > best_score:
+                a, b = offsets[i][0], offsets[j][1]
+                while a < b and context[a].isspace():
+                    a += 1
+                while b > a and context[b - 1].isspace():
+                    b -= 1
+                if a < b:
+                    best, best_score = (a, b), s[i] + e[j]
+    return best
+
+
+QA_CASES = [
+    ("Where do I live?", "My name is Wolfgang and I live in Berlin, the capital of Germany."),
+    ("Wer hat das Spiel gewonnen?", "Die Broncos haben das Spiel mit 24 zu 10 gegen die Panthers gewonnen."),
+    ("谁赢得了比赛？", "丹佛野马队以24比10击败了卡罗莱纳黑豹队，赢得了第50届超级碗。"),
+]
+
+
+@pytest.mark.parametrize("name", ["qa-v3", "qa-v2"])
+def test_answer_best_span_matches_transformers(hf_server, name):
+    dirs, stub, _ = hf_server
+    for question, context in QA_CASES:
+        for max_answer_len in (3, 15):
+            reply = stub.Answer(pb.AnswerRequest(model=name, question=question, context=context, top_k=1,
+                                                 max_answer_len=max_answer_len), timeout=60)
+            ans = reply.answers[0]
+            assert reply.num_windows == 1
+            assert ans.text == context[ans.start:ans.end] and ans.text == ans.text.strip()
+            assert (ans.start, ans.end) == _oracle_span(dirs[name], question, context, max_answer_len)
+
+
+def test_list_models_and_health(hf_server):
+    _, stub, channel = hf_server
+    models = {m.name: m for m in stub.ListModels(pb.ListModelsRequest(), timeout=10).models}
+    assert {n: m.task for n, m in models.items()} == {
+        "cls-v3": "classification", "cls-v2": "classification",
+        "qa-v3": "question-answering", "qa-v2": "question-answering",
+    }
+    assert list(models["cls-v3"].labels) == ["negative", "positive"]
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "relserve.v1.Inference"):
+        status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
