@@ -102,8 +102,9 @@ class Engine:
         return code
 
     async def closed_loop(self, scenario: Scenario, concurrency: int, *, requests: int | None,
-                          duration: float | None) -> Records:
-        """``concurrency`` clients, each sending its next request when the previous one is answered."""
+                          duration: float | None, unavailable_backoff: float = 0.05) -> Records:
+        """``concurrency`` clients, each sending its next request when the previous one is answered
+        (``unavailable_backoff`` seconds later after an UNAVAILABLE answer)."""
         if requests is None and duration is None:
             raise ValueError("bound the run with requests and/or duration")
         self._begin()
@@ -112,7 +113,8 @@ class Engine:
         async def client() -> None:
             while budget[0] > 0 and (duration is None or self.now() < duration):
                 budget[0] -= 1
-                await self.send(scenario.next())
+                if await self.send(scenario.next()) == "UNAVAILABLE" and unavailable_backoff > 0:
+                    await asyncio.sleep(unavailable_backoff)  # server gone or draining: don't spin
 
         await asyncio.gather(*(client() for _ in range(max(1, concurrency))))
         return self.records
