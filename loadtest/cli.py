@@ -227,7 +227,8 @@ def _fmt(v: float | None, unit: str = "", digits: int = 1) -> str:
     return "n/a" if v is None else f"{v:.{digits}f}{unit}"
 
 
-def print_summary(result: RunResult, paths: dict[str, Path], stream=sys.stdout) -> None:
+def print_summary(result: RunResult, paths: dict[str, Path], stream=None) -> None:
+    stream = stream or sys.stdout
     if result.skipped:
         print(f"skipped: {result.skipped}", file=stream)
         return
