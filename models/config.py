@@ -18,6 +18,7 @@ from typing import Any
 
 MODEL_TYPE = "deberta-v2"
 CONFIG_NAME = "config.json"
+RELATIVE_ATTENTION_TYPES = ("deberta", "t5")
 
 # Keys HF writes that carry no meaning for inference here; dropped on read, not written back.
 _IGNORED_KEYS = {"model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype"}
@@ -65,6 +66,14 @@ class DebertaConfig:
     share_att_key: bool = False  # v3: project relative embeddings with query_proj/key_proj
     norm_rel_ebd: str = "none"  # "layer_norm" applies encoder.LayerNorm to rel_embeddings
     position_biased_input: bool = True  # add absolute position embeddings to the input
+    # "deberta": disentangled c2p/p2c attention (above). "t5": a learned scalar per (bucket, head) added to the
+    # logits instead (Raffel et al. 2020), table ``encoder.relative_attention_bias`` [num_buckets, heads],
+    # shared by all layers; pos_att_type / position_buckets are then unused. (relserve extension: transformers'
+    # DebertaV2 ignores these keys.)
+    relative_attention_type: str = "deberta"
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    relative_attention_bidirectional: bool = True
     pad_token_id: int | None = 0
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -97,6 +106,18 @@ class DebertaConfig:
             self.label2id = {v: k for k, v in self.id2label.items()}
         else:
             self.label2id = {str(k): int(v) for k, v in self.label2id.items()}
+        if self.relative_attention_type not in RELATIVE_ATTENTION_TYPES:
+            raise ValueError(
+                f"relative_attention_type {self.relative_attention_type!r} is not one of {list(RELATIVE_ATTENTION_TYPES)}"
+            )
+        if self.relative_attention_type == "t5":
+            nb = self.relative_attention_num_buckets // (2 if self.relative_attention_bidirectional else 1)
+            if nb < 2 or self.relative_attention_max_distance <= nb // 2:
+                raise ValueError(
+                    f"relative_attention_num_buckets {self.relative_attention_num_buckets} / max_distance "
+                    f"{self.relative_attention_max_distance}: need >= 2 buckets per side and max_distance > "
+                    f"num_buckets // 2 (per side)"
+                )
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
@@ -182,6 +203,10 @@ class DebertaConfig:
         d["num_labels"] = self.num_labels
         if d["cls_dropout"] is None:
             del d["cls_dropout"]
+        if self.relative_attention_type == "deberta":  # keep HF-style files free of the T5 extension keys
+            for k in ("relative_attention_type", "relative_attention_num_buckets",
+                      "relative_attention_max_distance", "relative_attention_bidirectional"):
+                del d[k]
         for k, v in self.extra.items():
             d.setdefault(k, v)
         d["model_type"] = MODEL_TYPE

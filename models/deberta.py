@@ -8,13 +8,22 @@ parameter names equal HF checkpoint keys so a checkpoint loads by name.
 
 Inference-oriented choices (numerically equivalent on real tokens):
 
-* Relative-position indices are built once per forward and shared by all layers; only the rows of
-  ``rel_embeddings`` that a sequence of length T can reach are projected (for T=128 with 256 buckets that is
-  255 of 512 rows), which shrinks the c2p/p2c matmuls.
+* Relative positions are built once per forward and shared by all layers; only the window of
+  ``rel_embeddings`` rows that a sequence of length T can reach (``2T - 1`` rows centred on ``att_span``, or
+  the whole table once ``T > att_span``) is projected (for T=128 with 256 buckets that is 255 of 512 rows),
+  which shrinks the c2p/p2c matmuls. The window is plain shape arithmetic, so an exported graph keeps it
+  symbolic in T.
+* The relative-position work runs through the custom ops of :mod:`relserve.models.onnx_ops`
+  (``LogBucketRelativePosition``, ``DisentangledAttentionBias``, ``RelativePositionBias``): eager mode calls
+  their torch kernels, ONNX export emits one custom-domain node each.
 * The attention mask hides padded *keys* only (``[B, 1, 1, T]``). HF additionally hides every key from padded
   *queries*; that changes only the (meaningless) outputs at padded positions, never those of real tokens.
 * Attention runs through ``torch.nn.functional.scaled_dot_product_attention`` with the relative-position
   bias as its additive mask.
+
+``relative_attention_type: "t5"`` swaps disentangled attention for the T5 relative position bias (Raffel et
+al. 2020): a learned scalar per (bucket, head), table ``encoder.relative_attention_bias``, added to the
+logits of every layer.
 
 Shapes: B batch, T sequence length, H hidden size, n heads, d = H / n head size, R rows of the relative
 embedding table in use.
@@ -29,8 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import onnx_ops
 from .config import DebertaConfig
-from .relative_position import build_relative_position, relative_index
+from .relative_position import make_log_bucket_position
 
 __all__ = [
     "DebertaEmbeddings",
@@ -133,15 +143,15 @@ class DebertaEmbeddings(nn.Module):
 class RelativeContext:
     """Per-forward relative-position data shared by all layers.
 
-    rel_embeddings: Float[R, H], rows ``lo..hi`` of the (layer-normed) table, the only ones this T reaches.
-    c2p_index: Long[T, T], ``[i, j]`` -> row of ``rel_embeddings`` for δ(i, j) (query i looks at key j).
-    p2c_index: Long[T, T], ``[j, i]`` -> row for δ(j, i) (key j seen from query i), laid out for a gather
-        over the key's rows followed by a transpose, as in the reference.
+    rel_embeddings: Float[R, H], the (layer-normed) window of the table this T reaches: R = 2T - 1 rows
+        centred on row ``att_span``, or all ``2·att_span`` rows (the layout ``DisentangledAttentionBias`` takes).
+    relative_pos: Long[T, T], ``[i, j]`` -> signed (bucketed) δ(i, j) (query i looks at key j).
+    position_bias: Float[1, n, T, T] T5 bias (``relative_attention_type: "t5"``), else None.
     """
 
-    rel_embeddings: torch.Tensor
-    c2p_index: torch.Tensor | None
-    p2c_index: torch.Tensor | None
+    rel_embeddings: torch.Tensor | None
+    relative_pos: torch.Tensor | None
+    position_bias: torch.Tensor | None = None
 
 
 class DisentangledSelfAttention(nn.Module):
@@ -167,8 +177,10 @@ class DisentangledSelfAttention(nn.Module):
         self.value_proj = nn.Linear(H, H)
         self.relative_attention = config.relative_attention
         self.share_att_key = config.share_att_key
-        self.c2p = "c2p" in config.pos_att_type
-        self.p2c = "p2c" in config.pos_att_type
+        disentangled = config.relative_attention_type == "deberta"
+        self.c2p = disentangled and "c2p" in config.pos_att_type
+        self.p2c = disentangled and "p2c" in config.pos_att_type
+        self.att_span = config.att_span
         # HF counts the enabled terms in the scale even when relative_attention is off; so do we.
         self.scale_factor = 1 + int(self.c2p) + int(self.p2c)
         self.inv_scale = 1.0 / math.sqrt(self.head_size * self.scale_factor)
@@ -189,24 +201,21 @@ class DisentangledSelfAttention(nn.Module):
 
         q, k: Float[B, n, T, d]; returns Float[B, n, T, T] or None when no term is enabled.
         """
+        if rel.position_bias is not None:  # T5: one learned scalar per (bucket, head), unscaled
+            return rel.position_bias  # [1, n, T, T]
         if not (self.relative_attention and (self.c2p or self.p2c)):
             return None
-        B, n, T, _ = q.shape
         P = rel.rel_embeddings  # [R, H]
-        bias = None
-        if self.c2p:
-            # c2p, eq. (4) second term: Qc_i · Kr_{δ(i,j)}.
+        pos_key = pos_query = None
+        if self.c2p:  # Kr = P Wk,r for eq. (4) second term, Qc_i · Kr_{δ(i,j)}
             pos_key = self._heads(self.key_proj(P) if self.share_att_key else self.pos_key_proj(P))  # [n, R, d]
-            c2p = torch.matmul(q, pos_key.transpose(-1, -2))  # [B, n, T, R]
-            c2p = torch.gather(c2p, -1, rel.c2p_index.expand(B, n, T, T))  # [B, n, T(i), T(j)]
-            bias = c2p
-        if self.p2c:
-            # p2c, eq. (4) third term: Kc_j · Qr_{δ(j,i)} — gathered per key row j, then transposed to [i, j].
+        if self.p2c:  # Qr = P Wq,r for eq. (4) third term, Kc_j · Qr_{δ(j,i)}
             pos_query = self._heads(self.query_proj(P) if self.share_att_key else self.pos_query_proj(P))
-            p2c = torch.matmul(k, pos_query.transpose(-1, -2))  # [B, n, T(j), R]
-            p2c = torch.gather(p2c, -1, rel.p2c_index.expand(B, n, T, T)).transpose(-1, -2)  # [B, n, T(i), T(j)]
-            bias = p2c if bias is None else bias + p2c
-        return bias * self.inv_scale
+        # gathers at the clamped relative index, p2c per key row then transposed, sum, divide by sqrt(d·s)
+        return onnx_ops.disentangled_attention_bias(
+            q, k, pos_query, pos_key, rel.relative_pos, att_span=self.att_span, scale=self.inv_scale,
+            c2p=self.c2p, p2c=self.p2c,
+        )  # [B, n, T, T]
 
     def forward(
         self, hidden_states: torch.Tensor, key_mask: torch.Tensor, rel: RelativeContext | None
@@ -220,7 +229,7 @@ class DisentangledSelfAttention(nn.Module):
         neg = torch.finfo(q.dtype).min
         if bias is None:
             bias = torch.zeros(key_mask.shape, dtype=q.dtype, device=q.device)  # [B, 1, 1, T]
-        bias = bias.masked_fill(~key_mask, neg)  # padded keys get exactly zero weight
+        bias = torch.where(key_mask, bias, neg)  # padded keys get exactly zero weight; [B, n | 1, T | 1, T]
         ctx = F.scaled_dot_product_attention(
             q,
             k,
@@ -322,38 +331,59 @@ class DebertaEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList(DebertaLayer(config) for _ in range(config.num_hidden_layers))
         self.relative_attention = config.relative_attention
+        self.t5 = config.relative_attention and config.relative_attention_type == "t5"
         self.position_buckets = config.position_buckets
         self.max_relative_positions = config.effective_max_relative_positions
         self.att_span = config.att_span
-        self.c2p = "c2p" in config.pos_att_type
-        self.p2c = "p2c" in config.pos_att_type
-        if self.relative_attention:
+        self.c2p = not self.t5 and "c2p" in config.pos_att_type
+        self.p2c = not self.t5 and "p2c" in config.pos_att_type
+        if self.t5:
+            self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets,
+                                                        config.num_attention_heads)
+            self.t5_max_distance = config.relative_attention_max_distance
+            self.t5_bidirectional = config.relative_attention_bidirectional
+        elif self.relative_attention:
             self.rel_embeddings = nn.Embedding(2 * self.att_span, config.hidden_size)
+        # The window trick in relative_context needs |bucket(δ)| <= |δ| below att_span (true for the usual
+        # configs: buckets compress distances); otherwise every forward projects the whole table.
+        self._window = self.relative_attention and not self.t5 and self._buckets_never_stretch()
         self.norm_rel_ebd = "layer_norm" in config.norm_rel_ebd_terms
         if self.norm_rel_ebd:
             self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.conv = ConvLayer(config) if config.conv_kernel_size > 0 else None
 
+    def _buckets_never_stretch(self) -> bool:
+        if self.position_buckets <= 0:
+            return True
+        d = torch.arange(1, self.att_span + 1)
+        return bool((make_log_bucket_position(d, self.position_buckets, self.max_relative_positions) <= d).all())
+
     def relative_context(self, T: int, device: torch.device) -> RelativeContext | None:
-        """Indices and the reachable slice of the relative table for self-attention over T positions."""
+        """Relative positions and the reachable window of the relative table for self-attention over T positions.
+
+        ``T`` may be symbolic (export): everything here is shape arithmetic or a custom op.
+        """
+        if self.t5:
+            bias = onnx_ops.relative_position_bias(
+                self.relative_attention_bias.weight, T, T, max_distance=self.t5_max_distance,
+                is_bidirectional=self.t5_bidirectional,
+            )  # [1, n, T, T]
+            return RelativeContext(rel_embeddings=None, relative_pos=None, position_bias=bias)
         if not (self.relative_attention and (self.c2p or self.p2c)):
             return None
-        # δ only depends on i - j: bucket the 2T-1 distances once, then index them ([T, T]).
-        rel = build_relative_position(T, T, self.position_buckets, self.max_relative_positions, device=device)
-        c2p_idx = relative_index(rel, self.att_span) if self.c2p else None  # [i, j] -> row for δ(i, j)
-        # p2c reads row clamp(span - δ(j, i)) at [j, i] (the reference's p2c_pos, gathered then transposed).
-        p2c_idx = relative_index(-rel, self.att_span) if self.p2c else None
-        used = [x for x in (c2p_idx, p2c_idx) if x is not None]
-        lo = min(int(x.min()) for x in used)
-        hi = max(int(x.max()) for x in used)
-        table = self.rel_embeddings.weight[lo : hi + 1]  # [R, H]; LayerNorm is per row, so slice first
+        rel = onnx_ops.log_bucket_relative_position(T, T, self.position_buckets, self.max_relative_positions,
+                                                    device)  # [T, T] signed δ(i, j)
+        span = self.att_span
+        if self._window:
+            # |δ| <= T - 1, so rows clamp(δ + span) lie in [span - T + 1, span + T - 1] ∩ [0, 2·span - 1]
+            lo = torch.sym_max(span - T + 1, 0)
+            hi = torch.sym_min(span + T - 1, 2 * span - 1)
+            table = self.rel_embeddings.weight[lo : hi + 1]  # [R, H]; LayerNorm is per row, so slice first
+        else:
+            table = self.rel_embeddings.weight
         if self.norm_rel_ebd:
             table = self.LayerNorm(table)
-        return RelativeContext(
-            rel_embeddings=table,
-            c2p_index=None if c2p_idx is None else c2p_idx - lo,
-            p2c_index=None if p2c_idx is None else p2c_idx - lo,
-        )
+        return RelativeContext(rel_embeddings=table, relative_pos=rel)
 
     def forward(self, embeddings: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """embeddings Float[B,T,H], mask Bool[B,T] -> last hidden state Float[B,T,H]."""
