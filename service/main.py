@@ -1,7 +1,8 @@
-"""``relserve serve`` — the command line.
+"""``relserve serve`` / ``relserve export`` — the command line.
 
     relserve serve [--config FILE] [--host HOST] [--port 50051] [--metrics-port 8002]
                    [--model NAME=DIR[,key=value...]]... [--drain-timeout SECONDS] [--log-level LEVEL]
+    relserve export CHECKPOINT_DIR OUT_DIR [--opset 18] [--no-parity]   (see relserve.models.export)
 
 Exit codes: 0 after a clean drain (SIGTERM/SIGINT), 1 when a model fails to load or the port cannot be
 bound, 2 for a configuration error.
@@ -37,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-message-bytes", type=int,
                        help="max gRPC message size both ways (default 4194304)")
     serve.add_argument("--log-level", help="DEBUG, INFO, WARNING, ... (default INFO)")
+    export = sub.add_parser("export", help="export a checkpoint to ONNX (custom relative-position ops) with a "
+                                           "parity report against torch")
+    export.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="HF-style DeBERTa-v2/v3 checkpoint directory")
+    export.add_argument("out", metavar="OUT_DIR", help="where model.onnx and export_report.json go")
+    export.add_argument("--opset", type=int, default=18, help="ONNX opset (>= 17, default 18)")
+    export.add_argument("--no-parity", action="store_true", help="skip the parity report against torch")
     return parser
 
 
@@ -92,6 +99,10 @@ async def serve(config: ServerConfig, runners=None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "export":
+        from relserve.models.export import run as run_export  # imports torch, onnx; only for this command
+
+        return run_export(args)
     try:
         config = config_from_args(args)
     except ConfigError as exc:

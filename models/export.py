@@ -1,0 +1,364 @@
+"""ONNX export of DeBERTa-style classification and QA checkpoints, with a parity report against torch.
+
+    relserve export CHECKPOINT_DIR OUT_DIR [--opset 18] [--no-parity]
+
+writes ``OUT_DIR/model.onnx`` and ``OUT_DIR/export_report.json``. The graph:
+
+* comes from the dynamo exporter (``torch.onnx.export(..., dynamo=True)``) traced on a 2 x 8-token sample
+  with dynamic ``batch`` and ``sequence`` axes; no sequence-length maths is frozen (case C01);
+* carries the relative-position work as ``com.relserve`` nodes (:mod:`relserve.models.onnx_ops`), each with a
+  model-local FunctionProto so stock ONNX Runtime runs it with no extra library;
+* has exactly the inputs the model uses: ``input_ids``, ``attention_mask`` and, only when
+  ``type_vocab_size > 0``, ``token_type_ids`` (case C02); outputs ``logits`` (classification) or
+  ``start_logits`` / ``end_logits`` (QA);
+* passes ``onnx.checker.check_model(full_check=True)``.
+
+The parity report runs the graph on ONNX Runtime (CPU) and the torch model on the same inputs: batches of
+1, 2 and 4 at several lengths, including lengths past the log-bucket threshold (``position_buckets // 2``)
+and 300 tokens, and one padded batch of all lengths; the maximum absolute difference over real tokens is
+recorded per case against a tolerance of 1e-4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import onnx_ops
+from .config import CONFIG_NAME, DebertaConfig
+
+GRAPH_NAME = "model.onnx"
+REPORT_NAME = "export_report.json"
+EXPORT_VERSION = "1"  # part of the cache key: bump when the exported graph's layout changes
+DEFAULT_OPSET = 18
+PARITY_TOLERANCE = 1e-4
+SAMPLE_BATCH, SAMPLE_LENGTH = 2, 8
+
+__all__ = [
+    "GRAPH_NAME",
+    "REPORT_NAME",
+    "ExportResult",
+    "graph_io_names",
+    "export_model",
+    "export_checkpoint",
+    "checkpoint_hash",
+    "parity_report",
+    "make_session",
+    "main",
+]
+
+
+@dataclass
+class ExportResult:
+    graph: str  # path of model.onnx
+    inputs: list[str]
+    outputs: list[str]
+    report: dict[str, Any]
+
+
+def graph_io_names(config: DebertaConfig, task: str) -> tuple[list[str], list[str]]:
+    """The graph's input and output names for a model: only the inputs it uses (C02)."""
+    inputs = ["input_ids", "attention_mask"] + (["token_type_ids"] if config.type_vocab_size > 0 else [])
+    outputs = ["logits"] if task == "classification" else ["start_logits", "end_logits"]
+    return inputs, outputs
+
+
+class _WithTypes(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, token_type_ids):
+        return self.model(input_ids, attention_mask, token_type_ids)
+
+
+class _WithoutTypes(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids, attention_mask)
+
+
+def _max_length(config: DebertaConfig) -> int | None:
+    return config.max_position_embeddings if config.position_biased_input else None
+
+
+def export_model(
+    model: nn.Module,
+    config: DebertaConfig,
+    task: str,
+    path: str | os.PathLike,
+    *,
+    opset: int = DEFAULT_OPSET,
+    check: bool = True,
+):
+    """Export ``model`` (ours, any device; exported on CPU in float32) to ``path``; returns the ModelProto.
+
+    Raises:
+        ValueError: opset below 17.
+    """
+    import onnx
+
+    if opset < 17:
+        raise ValueError(f"opset {opset}: need >= 17 (LayerNormalization)")
+    onnx_ops.register_schemas()
+    inputs, outputs = graph_io_names(config, task)
+    model = model.to("cpu", torch.float32).eval()
+    wrapper = (_WithTypes(model) if "token_type_ids" in inputs else _WithoutTypes(model)).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, max(6, config.vocab_size), (SAMPLE_BATCH, SAMPLE_LENGTH), generator=g)
+    sample = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if "token_type_ids" in inputs:
+        sample["token_type_ids"] = torch.zeros_like(ids)
+    batch = torch.export.Dim("batch", min=1, max=1 << 16)
+    seq = torch.export.Dim("sequence", min=1, max=_max_length(config) or (1 << 16))
+    dynamic = {name: {0: batch, 1: seq} for name in inputs}
+    quiet = logging.getLogger("torch.onnx")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # "torchvision is not installed" and friends
+    with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            wrapper,
+            (),
+            kwargs=sample,
+            dynamo=True,
+            input_names=inputs,
+            output_names=outputs,
+            dynamic_shapes=dynamic,
+            opset_version=opset,
+            custom_translation_table=onnx_ops.custom_translation_table(),
+            verbose=False,
+            optimize=True,
+        )
+    quiet.setLevel(level)
+    proto = program.model_proto
+    onnx_ops.add_local_functions(proto)
+    got = [i.name for i in proto.graph.input]
+    if got != inputs:
+        raise RuntimeError(f"exported graph inputs {got} differ from the declared {inputs}")
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    onnx.save_model(proto, path)
+    if check:
+        onnx.checker.check_model(path, full_check=True)
+    return proto
+
+
+def make_session(path: str | os.PathLike, providers: Sequence[str] = ("CPUExecutionProvider",),
+                 intra_op_threads: int = 0, graph_optimization: str = "all", native_library: str | None = None):
+    """An ONNX Runtime session for an exported graph (portable functions; ``native_library`` registers the
+    custom-op kernels of ``models/onnx_native`` when given)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    if intra_op_threads:
+        opts.intra_op_num_threads = int(intra_op_threads)
+    opts.graph_optimization_level = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }[graph_optimization]
+    if native_library:
+        opts.register_custom_ops_library(os.fspath(native_library))
+    return ort.InferenceSession(os.fspath(path), sess_options=opts, providers=list(providers))
+
+
+def _case_inputs(config: DebertaConfig, inputs: list[str], lengths: list[int], seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    T = max(lengths)
+    ids = np.zeros((len(lengths), T), dtype=np.int64)
+    mask = np.zeros((len(lengths), T), dtype=np.int64)
+    for b, n in enumerate(lengths):
+        ids[b, :n] = rng.integers(5, max(6, config.vocab_size), n)
+        mask[b, :n] = 1
+    feeds = {"input_ids": ids, "attention_mask": mask}
+    if "token_type_ids" in inputs:
+        tt = np.zeros_like(ids)
+        for b, n in enumerate(lengths):
+            tt[b, n // 2 : n] = 1
+        feeds["token_type_ids"] = tt
+    return feeds
+
+
+def _torch_outputs(model: nn.Module, feeds: dict[str, np.ndarray], task: str) -> list[np.ndarray]:
+    p = next(model.parameters())
+    with torch.inference_mode():
+        out = model(*(torch.from_numpy(feeds[k]).to(p.device) for k in feeds))
+    outs = [out] if task == "classification" else list(out)
+    return [o.float().cpu().numpy() for o in outs]
+
+
+def _max_diff(a: list[np.ndarray], b: list[np.ndarray], lengths: list[int], task: str) -> float:
+    worst = 0.0
+    for x, y in zip(a, b):
+        for i, n in enumerate(lengths):  # real tokens only: padded QA positions mean nothing
+            xi, yi = (x[i], y[i]) if task == "classification" else (x[i, :n], y[i, :n])
+            worst = max(worst, float(np.max(np.abs(xi - yi))))
+    return worst
+
+
+def parity_cases(config: DebertaConfig) -> list[list[int]]:
+    """Lengths per case: single sequences of 3 and 40 tokens, past the log-bucket threshold and at 300, batches
+    of 2 and 4, and a padded batch of all lengths (C01). Capped at the model's maximum length."""
+    cap = _max_length(config) or 100_000
+    lengths = [3, 40]
+    if config.position_buckets > 0:
+        lengths.append(config.position_buckets // 2 + 9)  # first log buckets
+    lengths.append(300)
+    lengths = sorted({min(n, cap) for n in lengths})
+    cases = [[n] for n in lengths]
+    cases += [[40, 40], [17, 17, 17, 17]]
+    cases.append(list(reversed(lengths)))  # padded batch of all
+    return cases
+
+
+def parity_report(path: str | os.PathLike, model: nn.Module, config: DebertaConfig, task: str, *,
+                  session=None, tolerance: float = PARITY_TOLERANCE,
+                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Graph (ONNX Runtime) vs torch on :func:`parity_cases`; ``{"passed", "tolerance", "cases": [...]}``."""
+    session = session or make_session(path)
+    inputs = [i.name for i in session.get_inputs()]
+    cases = []
+    for k, lengths in enumerate(parity_cases(config)):
+        feeds = _case_inputs(config, inputs, lengths, seed=k)
+        t0 = time.perf_counter()
+        got = session.run(None, feeds)
+        t_ort = time.perf_counter() - t0
+        want = _torch_outputs(model, feeds, task)
+        diff = _max_diff(got, want, lengths, task)
+        cases.append({"batch": len(lengths), "lengths": lengths, "max_abs_diff": diff,
+                      "passed": bool(diff <= tolerance), "ort_seconds": round(t_ort, 4)})
+        if progress:
+            progress(f"  parity batch={len(lengths)} lengths={lengths}: max |diff| {diff:.2e} "
+                     f"{'ok' if diff <= tolerance else 'FAIL'}")
+    return {"passed": all(c["passed"] for c in cases), "tolerance": tolerance,
+            "providers": list(session.get_providers()), "cases": cases}
+
+
+def checkpoint_hash(path: str | os.PathLike) -> str:
+    """sha256 over config.json, the weights file and the export format version (the export cache key)."""
+    from .checkpoint import PYTORCH_NAME, SAFETENSORS_NAME
+
+    h = hashlib.sha256(f"relserve-onnx-export-v{EXPORT_VERSION}\n".encode())
+    p = Path(path)
+    for name in (CONFIG_NAME, SAFETENSORS_NAME, PYTORCH_NAME):
+        f = p / name
+        if f.is_file():
+            h.update(name.encode())
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+    return h.hexdigest()
+
+
+def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET,
+                      parity: bool = True, progress: Callable[[str], None] | None = print,
+                      loaded=None) -> ExportResult:
+    """Load a checkpoint, export it to ``out_dir/model.onnx``, check it, write ``export_report.json``.
+
+    ``loaded`` may pass an already loaded ``LoadedCheckpoint`` (the server's ONNX backend does).
+
+    Raises:
+        relserve.models.checkpoint.CheckpointError: the checkpoint cannot be loaded.
+        RuntimeError: the parity check failed (the graph and report are still written).
+    """
+    from .checkpoint import load_checkpoint
+
+    say = progress or (lambda _m: None)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    if loaded is None:
+        say(f"[1/4] loading {checkpoint_dir}")
+        loaded = load_checkpoint(checkpoint_dir, load_tokenizer=False)
+    model, config, task = loaded.model, loaded.config, loaded.task
+    model = model.to("cpu", torch.float32).eval()
+    say(f"[2/4] exporting {task} model ({config.num_hidden_layers} layers, hidden {config.hidden_size}) "
+        f"with the dynamo exporter, opset {opset}")
+    t1 = time.perf_counter()
+    graph = out / GRAPH_NAME
+    proto = export_model(model, config, task, graph, opset=opset, check=False)
+    t_export = time.perf_counter() - t1
+    say(f"[3/4] onnx.checker.check_model(full_check=True) on {graph}")
+    import onnx
+
+    onnx.checker.check_model(os.fspath(graph), full_check=True)
+    inputs, outputs = graph_io_names(config, task)
+    custom = sorted({n.op_type for n in proto.graph.node if n.domain == onnx_ops.DOMAIN})
+    report: dict[str, Any] = {
+        "checkpoint": os.fspath(checkpoint_dir),
+        "checkpoint_sha256": checkpoint_hash(checkpoint_dir),
+        "export_version": EXPORT_VERSION,
+        "task": task,
+        "opset": opset,
+        "inputs": inputs,
+        "outputs": outputs,
+        "dynamic_axes": {"batch": 0, "sequence": 1},
+        "custom_domain": onnx_ops.DOMAIN,
+        "custom_ops": custom,
+        "graph_bytes": graph.stat().st_size,
+        "export_seconds": round(t_export, 2),
+    }
+    if parity:
+        say("[4/4] parity against torch (ONNX Runtime CPU, portable custom-op functions)")
+        report["parity"] = parity_report(graph, model, config, task, progress=say)
+    report["total_seconds"] = round(time.perf_counter() - t0, 2)
+    (out / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    say(f"wrote {graph} and {out / REPORT_NAME}")
+    if parity and not report["parity"]["passed"]:
+        raise RuntimeError(f"exported graph {graph} differs from torch by more than {PARITY_TOLERANCE}; "
+                           f"see {out / REPORT_NAME}")
+    return ExportResult(graph=os.fspath(graph), inputs=inputs, outputs=outputs, report=report)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="HF-style DeBERTa-v2/v3 checkpoint directory")
+    parser.add_argument("out", metavar="OUT_DIR", help="where model.onnx and export_report.json go")
+    parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (>= 17, default {DEFAULT_OPSET})")
+    parser.add_argument("--no-parity", action="store_true", help="skip the parity report against torch")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """``relserve export`` body. Exit codes: 0 ok, 1 parity failure or export error, 2 bad checkpoint."""
+    from .checkpoint import CheckpointError
+
+    try:
+        result = export_checkpoint(args.checkpoint, args.out, opset=args.opset, parity=not args.no_parity)
+    except CheckpointError as exc:
+        print(f"relserve export: {exc}", file=sys.stderr)
+        return 2
+    except (RuntimeError, ValueError) as exc:
+        print(f"relserve export: {exc}", file=sys.stderr)
+        return 1
+    if "parity" in result.report:
+        worst = max(c["max_abs_diff"] for c in result.report["parity"]["cases"])
+        print(f"parity: {len(result.report['parity']['cases'])} cases, max |diff| {worst:.2e} "
+              f"(tolerance {PARITY_TOLERANCE})")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = add_arguments(argparse.ArgumentParser(prog="relserve export", description=__doc__.splitlines()[0]))
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
