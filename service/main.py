@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out", metavar="OUT_DIR", help="where model.onnx and export_report.json go")
     export.add_argument("--opset", type=int, default=18, help="ONNX opset (>= 17, default 18)")
     export.add_argument("--no-parity", action="store_true", help="skip the parity report against torch")
+    sub.add_parser("loadtest", add_help=False,
+                   help="load-test a running server (same as python -m relserve.loadtest; see loadtest --help)")
     return parser
 
 
@@ -98,6 +100,11 @@ async def serve(config: ServerConfig, runners=None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["loadtest"]:
+        from relserve.loadtest.cli import main as loadtest_main  # its own flags, parsed there
+
+        return loadtest_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "export":
         from relserve.models.export import run as run_export  # imports torch, onnx; only for this command
