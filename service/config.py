@@ -24,6 +24,12 @@ Example file::
         max_queue_delay: 0.005            # seconds
         max_queue_size: 1024              # units (sequences / QA windows) waiting
         length_bucketing: true            # false: batches in arrival order (more padding)
+        backend: torch                    # torch | onnx (ONNX Runtime) | auto (onnx when onnxruntime is installed)
+        onnx_cache_dir: null              # exported graphs, keyed by checkpoint hash (default: $XDG_CACHE_HOME/
+                                          #   relserve/onnx, or /tmp/relserve-cache without XDG_CACHE_HOME)
+        onnx_intra_op_threads: 0          # ONNX Runtime intra-op threads (0: its default, one per core)
+        onnx_graph_optimization: all      # disable | basic | extended | all
+        onnx_parity_tolerance: 0.001      # graph vs torch on the warm-up batch at load; worse refuses to serve
       - name: qa
         path: defaults/qa
         max_seq_len: 384
@@ -64,7 +70,8 @@ OPTIONAL_DEFAULT_MODELS: tuple[tuple[str, str], ...] = (
 SCHEDULING = ("iteration", "request")
 MAX_BEAM_SIZE = 16
 
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "onnx", "auto")
+ONNX_GRAPH_OPTIMIZATIONS = ("disable", "basic", "extended", "all")
 DTYPES = ("float32", "float16", "bfloat16")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -90,6 +97,11 @@ class ModelConfig:
     instances: int = 1
     warmup: bool = True
     length_bucketing: bool = True  # batch similar lengths together (false: plain arrival order)
+    # ONNX Runtime backend (backend: onnx | auto)
+    onnx_cache_dir: Path | None = None  # None: default_onnx_cache_dir()
+    onnx_intra_op_threads: int = 0
+    onnx_graph_optimization: str = "all"
+    onnx_parity_tolerance: float = 1e-3
     # translation (RNNsearch) models only
     scheduling: str = "iteration"
     max_active_hypotheses: int = 256
@@ -114,6 +126,18 @@ class ModelConfig:
                 f"{model_max} positions"
             )
         return self.max_seq_len
+
+    def resolved_onnx_cache_dir(self) -> Path:
+        return self.onnx_cache_dir if self.onnx_cache_dir is not None else default_onnx_cache_dir()
+
+
+def default_onnx_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """``$XDG_CACHE_HOME/relserve/onnx``, or ``/tmp/relserve-cache/onnx`` when XDG_CACHE_HOME is unset."""
+    import os
+
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_CACHE_HOME")
+    return Path(base) / "relserve" / "onnx" if base else Path("/tmp/relserve-cache") / "onnx"
 
 
 @dataclass(frozen=True)
@@ -141,6 +165,8 @@ _MODEL_TYPES: dict[str, type] = {
     "max_batch_size": int, "max_batch_tokens": int, "max_queue_delay": float, "max_queue_size": int,
     "max_seq_len": int, "doc_stride": int, "max_answer_len": int, "instances": int, "warmup": bool,
     "length_bucketing": bool,
+    "onnx_cache_dir": str, "onnx_intra_op_threads": int, "onnx_graph_optimization": str,
+    "onnx_parity_tolerance": float,
     "scheduling": str, "max_active_hypotheses": int, "max_source_tokens": int, "beam_size": int,
     "max_len_a": float, "max_len_b": int, "max_output_tokens": int, "length_penalty": float,
 }
@@ -164,7 +190,7 @@ def check_dtype_for_device(model: str, dtype: str, device: str) -> None:
 
 
 def _coerce(where: str, key: str, value: Any, typ: type) -> Any:
-    if value is None and key in ("max_seq_len", "metrics_port"):
+    if value is None and key in ("max_seq_len", "metrics_port", "onnx_cache_dir"):
         return None
     if typ is bool:
         if isinstance(value, bool):
@@ -205,6 +231,9 @@ def _model_from_mapping(raw: Mapping[str, Any], base_dir: Path, where: str) -> M
     if not path.is_absolute():
         path = base_dir / path
     values["path"] = path
+    if values.get("onnx_cache_dir") is not None:
+        cache = Path(values["onnx_cache_dir"]).expanduser()
+        values["onnx_cache_dir"] = cache if cache.is_absolute() else base_dir / cache
     return validate_model(ModelConfig(**values))
 
 
@@ -245,6 +274,14 @@ def validate_model(m: ModelConfig) -> ModelConfig:
                 f"{where}: max_batch_tokens {m.max_batch_tokens} must be >= max_seq_len {m.max_seq_len} "
                 f"so that one full-length sequence fits in a batch"
             )
+    if m.onnx_graph_optimization not in ONNX_GRAPH_OPTIMIZATIONS:
+        raise ConfigError(f"{where}: onnx_graph_optimization {m.onnx_graph_optimization!r} is not one of "
+                          f"{list(ONNX_GRAPH_OPTIMIZATIONS)}")
+    if m.onnx_intra_op_threads < 0:
+        raise ConfigError(f"{where}: onnx_intra_op_threads must be >= 0 (0: ONNX Runtime's default), got "
+                          f"{m.onnx_intra_op_threads}")
+    if not m.onnx_parity_tolerance > 0:
+        raise ConfigError(f"{where}: onnx_parity_tolerance must be > 0, got {m.onnx_parity_tolerance}")
     if m.scheduling not in SCHEDULING:
         raise ConfigError(f"{where}: scheduling {m.scheduling!r} is not one of {list(SCHEDULING)}")
     for key in ("max_active_hypotheses", "max_source_tokens", "max_output_tokens"):

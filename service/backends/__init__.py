@@ -65,10 +65,21 @@ class Backend(Protocol):
 def create_backend(config: ModelConfig) -> Backend:
     """The backend named by the model's config (imports its module, and so torch, only here).
 
+    ``auto`` is ONNX Runtime when ``onnxruntime`` is installed and the dtype is float32, else torch.
+
     Raises:
         ConfigError: unknown backend.
     """
-    if config.backend == "torch":
+    backend = config.backend
+    if backend == "auto":
+        import importlib.util
+
+        backend = "onnx" if config.dtype == "float32" and importlib.util.find_spec("onnxruntime") else "torch"
+    if backend == "onnx":
+        from .onnx_backend import OnnxBackend
+
+        return OnnxBackend(config)
+    if backend == "torch":
         from .torch_backend import TorchBackend
 
         return TorchBackend(config)
@@ -92,7 +103,7 @@ def create_translation_backend(config: ModelConfig):
     Raises:
         ConfigError: unknown backend.
     """
-    if config.backend == "torch":
+    if config.backend in ("torch", "auto"):  # no ONNX export for RNNsearch: auto means torch here
         from .translation_torch import TorchTranslationBackend
 
         return TorchTranslationBackend(config)

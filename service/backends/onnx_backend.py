@@ -1,0 +1,276 @@
+"""ONNX Runtime backend: the same contract as :class:`TorchBackend`, running an exported graph.
+
+Where the graph comes from, in order: ``<checkpoint>/model.onnx``, ``<checkpoint>/onnx/model.onnx`` (what
+``relserve export CKPT CKPT/onnx`` writes), else ``<onnx_cache_dir>/<checkpoint sha256>/model.onnx``, exported
+there on first load (:mod:`relserve.models.export`; written to a temporary directory and renamed, so a
+crashed export never leaves a half graph in the cache).
+
+Providers: CUDA first when the model's device allows it (``auto`` / ``cuda[:N]``) and both ONNX Runtime and
+torch see a CUDA device, else CPU. The provider the session really got is what ``ModelMeta.device`` says
+(e.g. ``CPUExecutionProvider``, ``CUDAExecutionProvider:0``), so ListModels and ``relserve_model_info`` show
+it. On CUDA the inputs and outputs go through IO binding.
+
+At load the graph and the torch checkpoint run the warm-up batch (a short sequence and a full-length one);
+when they differ by more than ``onnx_parity_tolerance`` the model is refused with :class:`GraphMismatch`.
+Custom ops run as the graph's portable functions, or as native kernels when the library built by
+``make onnx-native`` exists (``models/onnx_native/build/librelserve_onnx_ops.so``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+from . import TASK_CLASSIFICATION, TASK_QA, ModelMeta
+
+log = logging.getLogger(__name__)
+
+GRAPH_CANDIDATES = ("model.onnx", "onnx/model.onnx")
+NATIVE_LIBRARY = Path(__file__).resolve().parents[2] / "models" / "onnx_native" / "build" / "librelserve_onnx_ops.so"
+
+
+class GraphMismatch(RuntimeError):
+    """The ONNX graph does not reproduce the torch checkpoint; the model is not served."""
+
+
+def find_graph(checkpoint: Path) -> Path | None:
+    for rel in GRAPH_CANDIDATES:
+        p = checkpoint / rel
+        if p.is_file():
+            return p
+    return None
+
+
+def native_library() -> str | None:
+    """The native custom-op library when it has been built (``make onnx-native``), else None."""
+    return os.fspath(NATIVE_LIBRARY) if NATIVE_LIBRARY.is_file() else None
+
+
+class OnnxBackend:
+    """Backend over an exported ONNX graph; see :mod:`relserve.service.backends` for the contract."""
+
+    name = "onnxruntime"
+    is_padded = True
+    max_batch_size: int | None = None
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        self.session: Any = None
+        self.meta: ModelMeta | None = None
+        self.graph: Path | None = None
+        self.provider = "CPUExecutionProvider"
+        self.device = "cpu"
+        self.max_seq_len = 0
+        self.parity_diff: float | None = None
+        self._inputs: list[str] = []
+        self._outputs: list[str] = []
+        self._pad_id = 0
+        self._lock = threading.Lock()
+
+    # -------------------------------------------------------------- loading
+
+    def _providers(self) -> list:
+        import onnxruntime as ort
+
+        want = self.config.device
+        if want == "cpu":
+            return ["CPUExecutionProvider"]
+        import torch
+
+        cuda = "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
+        if want.startswith("cuda") and not cuda:
+            raise ConfigError(f"model {self.config.name!r}: device {want!r} requested but ONNX Runtime has no usable "
+                              f"CUDA provider here (available: {ort.get_available_providers()})")
+        if not cuda:
+            return ["CPUExecutionProvider"]
+        index = int(want.split(":", 1)[1]) if ":" in want else 0
+        return [("CUDAExecutionProvider", {"device_id": index}), "CPUExecutionProvider"]
+
+    def _graph_path(self, loaded) -> Path:
+        path = Path(self.config.path)
+        found = find_graph(path)
+        if found is not None:
+            log.info("model %r: using the exported graph %s", self.config.name, found)
+            return found
+        from relserve.models.export import GRAPH_NAME, checkpoint_hash, export_checkpoint
+
+        cache = self.config.resolved_onnx_cache_dir() / checkpoint_hash(path)
+        graph = cache / GRAPH_NAME
+        if graph.is_file():
+            log.info("model %r: using the cached graph %s", self.config.name, graph)
+            return graph
+        log.info("model %r: no ONNX graph yet; exporting %s to %s", self.config.name, path, cache)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=cache.name[:16] + ".", dir=cache.parent))
+        try:
+            export_checkpoint(path, tmp, parity=False, loaded=loaded,
+                              progress=lambda m: log.info("model %r: %s", self.config.name, m))
+            try:
+                os.replace(tmp, cache)
+            except OSError:  # another process won the race: use its graph
+                if not graph.is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return graph
+
+    def load(self) -> ModelMeta:
+        from relserve.models.checkpoint import load_checkpoint
+        from relserve.models.export import graph_io_names, make_session
+
+        name = self.config.name
+        if self.config.dtype != "float32":
+            raise ConfigError(f"model {name!r}: the onnx backend runs float32 graphs only, got dtype "
+                              f"{self.config.dtype}; use backend torch for half precision")
+        providers = self._providers()
+        loaded = load_checkpoint(self.config.path, device="cpu")
+        cfg, tok = loaded.config, loaded.tokenizer
+        if loaded.task not in (TASK_CLASSIFICATION, TASK_QA):
+            raise ConfigError(f"model {name!r}: task {loaded.task!r} is not served")
+        self.graph = self._graph_path(loaded)
+        lib = native_library()
+        try:
+            self.session = make_session(self.graph, providers=providers,
+                                        intra_op_threads=self.config.onnx_intra_op_threads,
+                                        graph_optimization=self.config.onnx_graph_optimization,
+                                        native_library=lib)
+        except Exception as exc:
+            if lib is None:
+                raise
+            log.warning("model %r: native custom-op library %s not usable (%s); using the portable functions",
+                        name, lib, exc)
+            lib = None
+            self.session = make_session(self.graph, providers=providers,
+                                        intra_op_threads=self.config.onnx_intra_op_threads,
+                                        graph_optimization=self.config.onnx_graph_optimization)
+        self.provider = self.session.get_providers()[0]
+        self.device = "cuda:" + str(providers[0][1]["device_id"]) if self.provider == "CUDAExecutionProvider" else "cpu"
+        self._inputs = [i.name for i in self.session.get_inputs()]
+        self._outputs = [o.name for o in self.session.get_outputs()]
+        want_in, want_out = graph_io_names(cfg, loaded.task)
+        if self._inputs != want_in or self._outputs != want_out:
+            raise GraphMismatch(f"model {name!r}: graph {self.graph} has inputs {self._inputs} and outputs "
+                                f"{self._outputs}, but the checkpoint's {loaded.task} model needs {want_in} -> "
+                                f"{want_out}; re-export it with `relserve export`")
+        self._pad_id = int(getattr(tok, "pad_token_id", 0) or 0)
+        labels: tuple[str, ...] = ()
+        if loaded.task == TASK_CLASSIFICATION:
+            labels = tuple(str(cfg.id2label.get(i, f"LABEL_{i}")) for i in range(cfg.num_labels))
+        limits = [x for x in (getattr(tok, "model_max_length", None), cfg.max_position_embeddings) if x]
+        max_positions = int(min(limits)) if limits else None
+        self.max_seq_len = self.config.resolved_max_seq_len(max_positions)
+        device = self.provider + (":" + self.device.split(":")[1] if self.device.startswith("cuda") else "")
+        self.meta = ModelMeta(
+            task=loaded.task, family="deberta-v2", backend=self.name, device=device, dtype="float32",
+            tokenizer=tok, labels=labels, problem_type=cfg.problem_type, max_positions=max_positions,
+            extra={"graph": os.fspath(self.graph), "native_ops": bool(lib)},
+        )
+        self._self_check(loaded.model)
+        log.info("model %r: ONNX Runtime %s on %s (%s custom ops), parity %.2e", name, self.graph, self.provider,
+                 "native" if lib else "portable", self.parity_diff)
+        return self.meta
+
+    def _warmup_batch(self) -> list[Any]:
+        tok = self.meta.tokenizer
+        cls_id = int(getattr(tok, "cls_token_id", 1) or 1)
+        sep_id = int(getattr(tok, "sep_token_id", 2) or 2)
+        return [_Item([cls_id, 5, 6, 7, sep_id]), _Item([cls_id] + [5 + i % 50 for i in range(self.max_seq_len - 2)]
+                                                        + [sep_id])]
+
+    def _self_check(self, model) -> None:
+        """Graph vs torch on the warm-up batch; raises GraphMismatch beyond the tolerance."""
+        import torch
+
+        batch = self._warmup_batch()
+        got = self.run(batch)
+        feeds = self._feeds(batch)
+        with torch.inference_mode():
+            out = model(*(torch.from_numpy(feeds[k]) for k in self._inputs))
+        outs = [out] if self.meta.task == TASK_CLASSIFICATION else list(out)
+        want = [o.float().numpy() for o in outs]
+        worst = 0.0
+        for i, item in enumerate(batch):
+            n = len(item.input_ids)
+            if self.meta.task == TASK_CLASSIFICATION:
+                worst = max(worst, float(np.max(np.abs(got[i] - want[0][i]))))
+            else:
+                for k in range(2):
+                    worst = max(worst, float(np.max(np.abs(got[i][k] - want[k][i, :n]))))
+        self.parity_diff = worst
+        if not worst <= self.config.onnx_parity_tolerance:
+            raise GraphMismatch(
+                f"model {self.config.name!r}: ONNX graph {self.graph} differs from the torch checkpoint "
+                f"{self.config.path} by {worst:.3g} on the warm-up batch (tolerance {self.config.onnx_parity_tolerance}); "
+                f"refusing to serve it. Delete the graph to re-export it, or run `relserve export` again")
+
+    # -------------------------------------------------------------- contract
+
+    def warmup(self) -> None:
+        if self.meta is None:
+            raise RuntimeError("warmup() before load()")
+        for res in self.run(self._warmup_batch()):
+            if isinstance(res, Exception):
+                raise res
+
+    def _feeds(self, batch: Sequence[Any]) -> dict[str, np.ndarray]:
+        lengths = [len(item.input_ids) for item in batch]
+        longest = max(lengths)
+        ids = np.full((len(batch), longest), self._pad_id, dtype=np.int64)
+        mask = np.zeros((len(batch), longest), dtype=np.int64)
+        types = np.zeros((len(batch), longest), dtype=np.int64)
+        for i, item in enumerate(batch):
+            n = lengths[i]
+            ids[i, :n] = item.input_ids
+            mask[i, :n] = 1
+            tt = getattr(item, "token_type_ids", None)
+            if tt is not None and len(tt) == n:
+                types[i, :n] = tt
+        all_feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+        return {k: all_feeds[k] for k in self._inputs}  # only what the graph declares (C02)
+
+    def _run_session(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        if not self.device.startswith("cuda"):
+            return self.session.run(self._outputs, feeds)
+        # CUDA: bind inputs/outputs so ORT copies once each way
+        io = self.session.io_binding()
+        for k, v in feeds.items():
+            io.bind_cpu_input(k, v)
+        device_id = int(self.device.split(":")[1])
+        for k in self._outputs:
+            io.bind_output(k, "cuda", device_id)
+        self.session.run_with_iobinding(io)
+        return io.copy_outputs_to_cpu()
+
+    def run(self, batch: Sequence[Any]) -> list[Any]:
+        if self.session is None or self.meta is None:
+            raise RuntimeError("run() before load()")
+        lengths = [len(item.input_ids) for item in batch]
+        feeds = self._feeds(batch)
+        with self._lock:
+            outs = self._run_session(feeds)
+        if self.meta.task == TASK_QA:
+            start, end = (np.asarray(o, dtype=np.float32) for o in outs)
+            return [(start[i, :n].copy(), end[i, :n].copy()) for i, n in enumerate(lengths)]
+        logits = np.asarray(outs[0], dtype=np.float32)
+        return [logits[i].copy() for i in range(len(batch))]
+
+    def memory_stats(self) -> dict[str, tuple[int, int, int]]:
+        return {}  # ONNX Runtime's arena is not observable from Python
+
+    def close(self) -> None:
+        self.session = None
+
+
+class _Item:
+    def __init__(self, ids: list[int]) -> None:
+        self.input_ids = ids
+        self.token_type_ids = [0] * len(ids)
