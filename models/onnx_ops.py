@@ -189,7 +189,7 @@ def _(query_length, key_length, bucket_size, max_position, device):
 def _disentangled_op(query_layer: Tensor, key_layer: Tensor, pos_query: Optional[Tensor], pos_key: Optional[Tensor],
                      relative_pos: Tensor, att_span: int, scale: float, c2p: bool, p2c: bool) -> Tensor:
     return disentangled_attention_bias_reference(query_layer, key_layer, pos_query, pos_key, relative_pos,
-                                                 att_span, scale, c2p, p2c)
+                                                 att_span, scale, c2p, p2c).contiguous()  # the fake's layout
 
 
 @_disentangled_op.register_fake
@@ -201,7 +201,8 @@ def _(query_layer, key_layer, pos_query, pos_key, relative_pos, att_span, scale,
 @torch.library.custom_op(f"{TORCH_NAMESPACE}::relative_position_bias", mutates_args=())
 def _t5_bias_op(bias_table: Tensor, query_length: int, key_length: int, max_distance: int,
                 is_bidirectional: bool) -> Tensor:
-    return relative_position_bias_reference(bias_table, query_length, key_length, max_distance, is_bidirectional)
+    return relative_position_bias_reference(bias_table, query_length, key_length, max_distance,
+                                            is_bidirectional).contiguous()
 
 
 @_t5_bias_op.register_fake
