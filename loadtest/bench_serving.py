@@ -5,7 +5,8 @@
 
 Each measurement starts ``relserve serve`` as a child process on free loopback ports and drives it with the
 closed-loop load generator (``--concurrency`` clients on one grpc.aio channel, saturation) for ``--duration``
-seconds after ``--warmup`` requests:
+seconds after ``--warmup`` requests. Torch runs ``--threads`` intra-op threads in every process (default 1:
+on a small shared machine torch's default pool degrades badly when the cores are oversubscribed):
 
 1. dynamic batching on (``max_batch_size`` 32) vs off (``max_batch_size`` 1), ``classify`` scenario;
 2. the server's saturated throughput vs the backend's offline throughput (same checkpoint, same texts,
@@ -47,17 +48,20 @@ def resolve_classifier(path: str | None, tmp: Path) -> tuple[Path, str]:
     return make_checkpoint(tmp / "random-sentiment"), "random weights, default-model shape (hidden 128, 3 layers)"
 
 
-def serve_and_load(model_dir: Path, options: str, scenario: str, args: argparse.Namespace) -> dict[str, Any]:
+def serve_and_load(model_dir: Path, options: str, scenario: str, args: argparse.Namespace,
+                   concurrency: int | None = None) -> dict[str, Any]:
     spec_model = f"sentiment={model_dir}" + (f",{options}" if options else "")
-    with ServerProcess(["--model", spec_model, "--drain-timeout", "5"]) as srv:
-        spec = LoadSpec(target=srv.target, scenario=scenario, concurrency=args.concurrency, duration=args.duration,
+    env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else None
+    with ServerProcess(["--model", spec_model, "--drain-timeout", "5"], env=env) as srv:
+        spec = LoadSpec(target=srv.target, scenario=scenario, concurrency=concurrency or args.concurrency,
+                        duration=args.duration,
                         requests=args.max_requests, metrics_url=srv.metrics_url, warmup=args.warmup,
                         progress=False, seed=args.seed)
         res = asyncio.run(run_load(spec))
     s = res.summary
     m = (res.server or {}).get("models", {}).get("sentiment", {})
     out = {
-        "server_options": options, "scenario": scenario, "requests": s["requests"], "successes": s["successes"],
+        "server_options": options, "scenario": scenario, "concurrency": concurrency or args.concurrency, "requests": s["requests"], "successes": s["successes"],
         "errors_by_code": s["errors_by_code"], "throughput_rps": s["throughput_rps"], "latency_ms": s["latency_ms"],
         "mean_batch_size": m.get("mean_batch_size"), "mean_queue_ms": m.get("mean_queue_ms"),
         "mean_inference_ms_per_batch": m.get("mean_inference_ms_per_batch"),
@@ -65,7 +69,8 @@ def serve_and_load(model_dir: Path, options: str, scenario: str, args: argparse.
         "padding_efficiency": m.get("padding_efficiency"), "padding_ratio": m.get("padding_ratio"),
     }
     lat = s["latency_ms"]
-    print(f"  [{scenario}, {options or 'defaults'}] {s['throughput_rps']:.1f} req/s, p50 {lat['p50']:.1f} ms, "
+    print(f"  [{scenario}, {options or 'defaults'}, {concurrency or args.concurrency} clients] "
+          f"{s['throughput_rps']:.1f} req/s, p50 {lat['p50']:.1f} ms, "
           f"p99 {lat['p99']:.1f} ms, mean batch {_f(out['mean_batch_size'])}, padding efficiency "
           f"{_f(out['padding_efficiency'], 3)}, errors {s['errors_by_code'] or 0}", flush=True)
     return out
@@ -123,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=32, help="closed-loop clients (default 32)")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds per measured run (default 20)")
     ap.add_argument("--max-requests", type=int, default=20000, help="also stop a run after this many requests")
+    ap.add_argument("--bucketing-concurrency", type=int, default=128,
+                    help="clients for the bucketing runs: a queue deeper than one batch, so that there is "
+                         "something to choose from (default 128)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads per process, server and offline alike (OMP_NUM_THREADS; default 1; "
+                         "0 leaves torch's default)")
     ap.add_argument("--warmup", type=int, default=64, help="requests before each measured run (default 64)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="loadtest-results", help="directory for bench_serving.json")
@@ -130,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="run only these parts (repeatable)")
     args = ap.parse_args(argv)
     parts = set(args.only or ("batching", "overhead", "bucketing"))
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)  # the offline measurement runs in this process
 
     results: dict[str, Any] = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0]},
@@ -163,8 +178,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"(vs model-only offline {results['server_vs_offline_compute_only']:.2f})", flush=True)
         if "bucketing" in parts:
             print("padding efficiency (classify-mixed, 1-16 sentences per text):", flush=True)
-            b_on = serve_and_load(model_dir, "length_bucketing=true", "classify-mixed", args)
-            b_off = serve_and_load(model_dir, "length_bucketing=false", "classify-mixed", args)
+            b_on = serve_and_load(model_dir, "length_bucketing=true", "classify-mixed", args,
+                                  args.bucketing_concurrency)
+            b_off = serve_and_load(model_dir, "length_bucketing=false", "classify-mixed", args,
+                                   args.bucketing_concurrency)
             results["bucketing_on"], results["bucketing_off"] = b_on, b_off
             if b_on["padding_efficiency"] and b_off["padding_efficiency"]:
                 results["padding_efficiency_gain"] = b_on["padding_efficiency"] / b_off["padding_efficiency"]

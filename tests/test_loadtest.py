@@ -236,3 +236,12 @@ def test_length_bucketing_switch_orders_batches():
 
     assert asyncio.run(take(True)) == [10, 12, 11]
     assert asyncio.run(take(False)) == [10, 200, 190]
+
+
+def test_relserve_loadtest_subcommand_delegates(srv, tmp_path):
+    from relserve.service.main import main as relserve_main
+
+    rc = relserve_main(["loadtest", "run", "--target", srv.target, "--metrics-url", "none", "--classify-model",
+                        "lt-sentiment", "--requests", "5", "--concurrency", "1", "--out", str(tmp_path),
+                        "--no-progress", "--no-plots"])
+    assert rc == 0 and json.loads((tmp_path / "run-classify.json").read_text())["successes"] == 5
