@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 SERVE_ARGS ?=
 
-.PHONY: install install-test proto serve test bench clean
+.PHONY: install install-test proto serve test bench clean onnx-native bench-onnx
 
 # Runtime install: editable package + generated gRPC stubs.
 $(BIN)/.relserve-installed: pyproject.toml
@@ -33,6 +33,15 @@ test: install-test
 
 bench: install-test
 	$(BIN)/python -m relserve.loadtest.bench_encoder
+
+# Native CPU kernels for the com.relserve ONNX custom ops (optional; the exported graphs run without them).
+# Downloads Debian trixie's libonnxruntime-dev headers into models/onnx_native/build (private apt config).
+onnx-native:
+	models/onnx_native/build.sh
+
+# transformers : our torch : ONNX Runtime (portable, and native when built), DeBERTa-v3-base shape, CPU fp32.
+bench-onnx: install-test
+	$(BIN)/python -m relserve.loadtest.bench_onnx
 
 clean:
 	rm -rf $(VENV) build *.egg-info service/_proto/*_pb2*.py
