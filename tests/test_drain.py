@@ -55,6 +55,11 @@ def tiny_classifier(unigram_tokenizer_dir, tmp_path_factory):
                            tokenizer_dir=unigram_tokenizer_dir)
 
 
+def _wait_exit(srv: ServerProcess, timeout: float) -> tuple[int, float]:
+    code = srv.wait(timeout)
+    return code, time.monotonic()
+
+
 async def _drive(srv: ServerProcess) -> dict:
     ch = generator.channel(srv.target)
     health = health_pb2_grpc.HealthStub(ch)
@@ -83,6 +88,7 @@ async def _drive(srv: ServerProcess) -> dict:
         t_signal = engine.now()
         srv.terminate()
         wall_signal = time.monotonic()
+        exited = asyncio.create_task(asyncio.to_thread(_wait_exit, srv, DRAIN_TIMEOUT + 20))
         end = time.monotonic() + 5
         while not any(s == health_pb2.HealthCheckResponse.NOT_SERVING for _, s in statuses) \
                 and time.monotonic() < end:
@@ -90,8 +96,8 @@ async def _drive(srv: ServerProcess) -> dict:
         watcher.cancel()  # an open Watch stream would otherwise hold the drain for the whole grace period
         await asyncio.gather(watcher, return_exceptions=True)
         records = await asyncio.wait_for(load, timeout=60)
-        code = await asyncio.to_thread(srv.wait, DRAIN_TIMEOUT + 20)
-        exit_after = time.monotonic() - wall_signal
+        code, exit_time = await exited
+        exit_after = exit_time - wall_signal
         try:  # a brand-new call after exit: UNAVAILABLE, not a hang
             await generator.pb_grpc.InferenceStub(ch).ListModels(generator.pb.ListModelsRequest(), timeout=5)
             late = "OK"
@@ -122,8 +128,9 @@ def test_sigterm_under_load_drains_accepted_requests(tiny_classifier):
     assert len(before) > CLIENTS
     failed_before = [(rec.starts[i] - t_sig, codes[i]) for i in before if codes[i] != "OK"]
     assert not failed_before, f"requests sent before SIGTERM failed: {failed_before[:5]}\n{log[-2000:]}"
-    drained = [i for i in before if rec.starts[i] + rec.latencies[i] > t_sig]
-    assert len(drained) >= CLIENTS // 2, "requests in flight at the signal were answered during the drain"
+    drained = [i for i in range(len(rec)) if rec.starts[i] < t_sig < rec.starts[i] + rec.latencies[i]
+               and codes[i] == "OK"]
+    assert len(drained) >= 4, "requests in flight at the signal were answered during the drain"
 
     after = [i for i in range(len(rec)) if rec.starts[i] > t_sig + RACE]
     assert after and all(codes[i] == "UNAVAILABLE" for i in after), [codes[i] for i in after][:10]
@@ -139,5 +146,6 @@ def test_sigterm_under_load_drains_accepted_requests(tiny_classifier):
     assert health_pb2.HealthCheckResponse.NOT_SERVING in seen, seen
 
     assert out["code"] == 0, log[-3000:]
-    assert out["exit_after"] < DRAIN_TIMEOUT, out["exit_after"]
+    assert out["exit_after"] < DRAIN_TIMEOUT, (out["exit_after"], out["statuses"], log[-3000:])
+    print(f"inflight at SIGTERM {out['inflight']:.0f}, answered during drain {len(drained)}, exit {out['exit_after']:.2f} s after SIGTERM")
     assert "draining" in log
