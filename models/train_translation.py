@@ -156,6 +156,29 @@ def teacher_forced_logits(model: RNNSearch, src: Tensor, src_mask: Tensor, tgt_i
     return dec.output_proj(dec.dropout(t))
 
 
+def enable_training_ops() -> None:
+    """Make the DeBERTa-style encoder differentiable: its relative-attention bias goes through the
+    ``torch.library`` custom op ``relserve::disentangled_attention_bias`` (one node in an exported graph), which
+    has no autograd formula. For training, route the call to the op's pure-PyTorch reference (same numbers, with
+    gradients). Process-wide; inference, export and saved checkpoints are unaffected."""
+    try:
+        from . import onnx_ops
+    except ImportError:  # an encoder without custom ops needs nothing
+        return
+    ref = getattr(onnx_ops, "disentangled_attention_bias_reference", None)
+    current = getattr(onnx_ops, "disentangled_attention_bias", None)
+    if ref is None or current is None or getattr(current, "_training_shim", False):
+        return
+
+    def disentangled_attention_bias(query_layer, key_layer, pos_query, pos_key, relative_pos, *, att_span, scale,
+                                    c2p, p2c):  # fmt: skip
+        return ref(query_layer, key_layer, pos_query, pos_key, relative_pos, att_span, float(scale), bool(c2p),
+                   bool(p2c))  # fmt: skip
+
+    disentangled_attention_bias._training_shim = True  # type: ignore[attr-defined]
+    onnx_ops.disentangled_attention_bias = disentangled_attention_bias
+
+
 def batch_loss(model, batch, pad: int, label_smoothing: float) -> tuple[Tensor, int]:
     src, src_mask, tgt_in, tgt_out = batch
     logits = teacher_forced_logits(model, src, src_mask, tgt_in)
@@ -365,6 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     state_path = os.path.join(state_dir, STATE_NAME)
     save_dtype = getattr(torch, args.save_dtype)
 
+    enable_training_ops()
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     train_pairs = load_pairs(args.train, args.limit_train)
