@@ -217,17 +217,33 @@ def log_bucket_relative_position(query_length: int, key_length: int, bucket_size
                                                            torch.device(device))
 
 
+def _needs_grad(*tensors: Tensor | None) -> bool:
+    if not torch.is_grad_enabled() or torch.compiler.is_exporting():
+        return False
+    return any(t is not None and t.requires_grad for t in tensors)
+
+
 def disentangled_attention_bias(query_layer: Tensor, key_layer: Tensor, pos_query: Tensor | None,
                                 pos_key: Tensor | None, relative_pos: Tensor, *, att_span: int, scale: float,
                                 c2p: bool, p2c: bool) -> Tensor:
-    """Float[B, n, Tq, Tk] (custom op ``relserve::disentangled_attention_bias``)."""
+    """Float[B, n, Tq, Tk] (custom op ``relserve::disentangled_attention_bias``).
+
+    When gradients are wanted (training) the differentiable reference runs instead: the custom op has no
+    autograd formula, and inference / export (no grad) are what it is for. Same numbers either way.
+    """
+    if _needs_grad(query_layer, key_layer, pos_query, pos_key):
+        return disentangled_attention_bias_reference(query_layer, key_layer, pos_query, pos_key, relative_pos,
+                                                     att_span, float(scale), bool(c2p), bool(p2c))
     return torch.ops.relserve.disentangled_attention_bias(query_layer, key_layer, pos_query, pos_key, relative_pos,
                                                           att_span, float(scale), bool(c2p), bool(p2c))
 
 
 def relative_position_bias(bias_table: Tensor, query_length: int, key_length: int, *, max_distance: int,
                            is_bidirectional: bool = True) -> Tensor:
-    """Float[1, n, Tq, Tk] (custom op ``relserve::relative_position_bias``)."""
+    """Float[1, n, Tq, Tk] (custom op ``relserve::relative_position_bias``; the reference when training)."""
+    if _needs_grad(bias_table):
+        return relative_position_bias_reference(bias_table, query_length, key_length, max_distance,
+                                                bool(is_bidirectional))
     return torch.ops.relserve.relative_position_bias(bias_table, query_length, key_length, max_distance,
                                                      bool(is_bidirectional))
 
