@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import signal
 import sys
@@ -46,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--no-parity", action="store_true", help="skip the parity report against torch")
     sub.add_parser("loadtest", add_help=False,
                    help="load-test a running server (same as python -m relserve.loadtest; see loadtest --help)")
+    for name, what in _TRAINERS.items():
+        sub.add_parser(name, add_help=False, help=f"train {what} (see {name} --help)")
     return parser
 
 
@@ -99,12 +102,23 @@ async def serve(config: ServerConfig, runners=None) -> int:
     return 0
 
 
+# Subcommand -> what it trains; each is relserve.models.<name with underscores>.main(argv).
+_TRAINERS = {
+    "train-classifier": "the default sentiment classifier",
+    "train-qa": "the default extractive QA model",
+    "train-translation": "an RNNsearch translation model (BiGRU or DeBERTa-style encoder)",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["loadtest"]:
         from relserve.loadtest.cli import main as loadtest_main  # its own flags, parsed there
 
         return loadtest_main(argv[1:])
+    if argv[:1] and argv[0] in _TRAINERS:  # training CLIs keep their own flags; imported only when asked for
+        module = importlib.import_module(f"relserve.models.{argv[0].replace('-', '_')}")
+        return module.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "export":
         from relserve.models.export import run as run_export  # imports torch, onnx; only for this command
