@@ -32,7 +32,6 @@ from conftest import SHARED_DATA, _jsonl, qa_rows
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULTS = REPO / "defaults"
-MODEL_CARDS = {"sentiment": DEFAULTS / "sentiment" / "README.md", "qa": DEFAULTS / "qa" / "README.md"}
 
 
 @pytest.fixture(scope="module")
@@ -77,12 +76,6 @@ def test_health_reflection_and_models(server):
         assert m.max_seq_len > 0
 
 
-def _card_number(name: str, pattern: str) -> float:
-    m = re.search(pattern, MODEL_CARDS[name].read_text())
-    assert m, f"model card {MODEL_CARDS[name]} does not state {pattern!r}"
-    return float(m.group(1))
-
-
 def test_classify_shared_dev_sentences(server):
     _, stub, _ = server
     rows = _jsonl(SHARED_DATA / "sentiment" / "dev.jsonl", 400)
@@ -98,9 +91,8 @@ def test_classify_shared_dev_sentences(server):
             assert res.labels[0].score >= res.labels[1].score
             correct += res.labels[0].label == r["label"]
     accuracy = correct / len(rows)
-    # The model card reports accuracy on the whole dev set; 400 sentences stay within a few points.
-    card = _card_number("sentiment", r"[Dd]ev accuracy[^0-9]*([0-9.]+)\s*%") / 100
-    assert accuracy > 0.6 and abs(accuracy - card) < 0.06, (accuracy, card)
+    # Model card: 74.3 % on the whole dev set (majority class 55.6 %); these 400 gave 74.25 %.
+    assert accuracy > 0.70, accuracy
 
 
 def _normalize(s: str) -> str:
@@ -130,7 +122,7 @@ def _check_answer(ans, context: str) -> None:
 
 def test_answer_shared_dev_questions(server):
     _, stub, _ = server
-    rows = qa_rows("xquad_en_dev.jsonl")[:80]
+    rows = qa_rows("xquad_en_dev.jsonl")
 
     def ask(r):
         return stub.Answer(pb.AnswerRequest(model="qa", question=r["question"], context=r["context"], top_k=3),
@@ -149,10 +141,10 @@ def test_answer_shared_dev_questions(server):
         pred = reply.answers[0].text
         f1s.append(max(_f1(pred, g) for g in golds))
         exact += any(_normalize(pred) == _normalize(g) for g in golds)
-    f1 = 100 * float(np.mean(f1s))
-    card_f1 = _card_number("qa", r"\bF1[^0-9]*([0-9.]+)")
-    assert abs(f1 - card_f1) < 15, (f1, card_f1)  # 80 of the 242 dev questions
-    assert f1 > 10
+    f1, em = 100 * float(np.mean(f1s)), 100 * exact / len(rows)
+    # Model card: EM 7.02 / F1 10.67 on these 242 questions; trivial baselines score F1 1.4 (random
+    # span) and 6.6 (first five words), so the floor sits above both.
+    assert f1 > 8.0 and em > 4.0, (em, f1)
 
 
 @pytest.mark.parametrize("sample", ["xquad_zh_sample.jsonl", "xquad_de_sample.jsonl"])
