@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from .errors import DeadlineExceeded, Internal, RelserveError, ResourceExhausted, Unavailable
+from . import queueing
+from .errors import ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -132,9 +133,7 @@ class Batcher:
         if self._worker is not None:
             return
         self._arrival = asyncio.Event()
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"relserve-{self.name}"
-        )
+        self._executor = queueing.model_executor(self.name)
         self._worker = asyncio.get_running_loop().create_task(
             self._work(), name=f"relserve-batcher-{self.name}"
         )
@@ -143,15 +142,11 @@ class Batcher:
         """Stop the worker; waiting units fail with UNAVAILABLE. A hung backend thread is abandoned."""
         self._closed = True
         for unit in self._queue:
-            _fail(unit, Unavailable(f"model {self.name!r} is shutting down"))
+            queueing.fail(unit, Unavailable(f"model {self.name!r} is shutting down"))
         self._queue.clear()
         self._on_queue_depth(0)
         if self._worker is not None:
-            self._worker.cancel()
-            try:
-                await self._worker
-            except (asyncio.CancelledError, Exception):
-                pass
+            await queueing.cancel_worker(self._worker)
             self._worker = None
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
@@ -171,11 +166,10 @@ class Batcher:
             DeadlineExceeded: the deadline already passed.
             ResourceExhausted: the queue cannot take all the items (message names max_queue_size).
         """
-        if self._closed or self._worker is None or self._arrival is None:
-            raise Unavailable(f"model {self.name!r} is not accepting requests (not started or shutting down)")
         now = time.monotonic()
-        if deadline is not None and deadline <= now:
-            raise DeadlineExceeded(f"deadline passed before the request reached the queue of model {self.name!r}")
+        queueing.check_open(self.name, not (self._closed or self._worker is None or self._arrival is None),
+                            deadline, now)
+        assert self._arrival is not None
         if len(items) > self.max_queue_size:
             raise ResourceExhausted(
                 f"request needs {len(items)} sequences but model {self.name!r} has max_queue_size "
@@ -213,35 +207,16 @@ class Batcher:
 
     async def wait(self, units: list[Unit], deadline: float | None = None) -> list[Unit]:
         """Wait for submitted units (see :meth:`run`)."""
-        futures = [u.future for u in units]
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            done, pending = await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
-        except BaseException:  # cancelled: the RPC is gone, its units leave the queue
-            self.discard(units)
-            raise
-        errors = [f.exception() for f in futures if f in done and not f.cancelled()]  # marks all retrieved
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            self.discard(units)
-            raise first
-        if pending:
+
+        def where() -> str:
             running = any(u.batch_size for u in units)
-            self.discard(units)
-            where = "while the model was computing" if running else "while waiting in the queue"
-            raise DeadlineExceeded(f"deadline exceeded {where} (model {self.name!r})")
-        return units
+            return "while the model was computing" if running else "while waiting in the queue"
+
+        return await queueing.wait_all(units, deadline, self.name, self.discard, where)
 
     def discard(self, units: Sequence[Unit]) -> None:
         """Cancel the units' reply slots and take the waiting ones out of the queue."""
-        drop = {id(u) for u in units}
-        before = len(self._queue)
-        self._queue = [u for u in self._queue if id(u) not in drop]
-        for u in units:
-            if not u.future.done():
-                u.future.cancel()
-        if len(self._queue) != before:
-            self._on_queue_depth(len(self._queue))
+        self._queue = queueing.discard(self._queue, units, self._on_queue_depth)
 
     # ------------------------------------------------------------------ worker
 
@@ -270,35 +245,13 @@ class Batcher:
 
     def _purge(self) -> None:
         """Drop cancelled units and fail expired ones before they cost compute."""
-        now = time.monotonic()
-        keep: list[Unit] = []
-        for u in self._queue:
-            if u.future.done():
-                continue
-            if u.deadline is not None and u.deadline <= now:
-                _fail(u, DeadlineExceeded(
-                    f"deadline passed after {now - u.enqueued_at:.3f} s in the queue of model {self.name!r}, "
-                    f"before compute"
-                ))
-                continue
-            keep.append(u)
-        if len(keep) != len(self._queue):
-            self._queue = keep
-            self._on_queue_depth(len(keep))
+        self._queue = queueing.drop_dead(self._queue, self.name, "before compute", self._on_queue_depth)
 
     async def _linger(self) -> None:
         """Wait (at most max_queue_delay from the oldest unit's arrival) for a fuller batch."""
         assert self._arrival is not None
-        oldest = self._queue[0].enqueued_at
-        while not self._full_batch_waiting():
-            remaining = oldest + self.max_queue_delay - time.monotonic()
-            if remaining <= 0:
-                return
-            self._arrival.clear()
-            try:
-                await asyncio.wait_for(self._arrival.wait(), remaining)
-            except asyncio.TimeoutError:
-                return
+        until = self._queue[0].enqueued_at + self.max_queue_delay
+        await queueing.linger(self._arrival, lambda: until, self._full_batch_waiting)
 
     def _full_batch_waiting(self) -> bool:
         if len(self._queue) >= self.max_batch_size:
@@ -343,26 +296,13 @@ class Batcher:
         for u in batch:
             u.queue_s = start - u.enqueued_at
             u.batch_size = len(batch)
-        loop = asyncio.get_running_loop()
-        failed = False
         self.executions += 1
-        try:
-            results = await loop.run_in_executor(self._executor, self._run_batch, [u.payload for u in batch])
-            results = list(results)
-            if len(results) != len(batch):
-                raise Internal(
-                    f"backend of model {self.name!r} returned {len(results)} results for a batch of {len(batch)}"
-                )
-        except asyncio.CancelledError:
-            for u in batch:
-                _fail(u, Unavailable(f"model {self.name!r} is shutting down"))
-            raise
-        except Exception as exc:  # the batch failed: only its own units hear about it
-            failed = True
-            if not isinstance(exc, RelserveError):
-                log.exception("model %r: batch of %d failed", self.name, len(batch))
-                exc = Internal(f"model {self.name!r} failed on a batch of {len(batch)}: {type(exc).__name__}: {exc}")
-            results = [exc] * len(batch)
+        # a failing batch: only its own units hear about it
+        results, failed = await queueing.call_backend(
+            self._executor, self._run_batch, [u.payload for u in batch], batch,
+            name=self.name, what=f"a batch of {len(batch)}", log=log,
+            mismatch=lambda n: f"backend of model {self.name!r} returned {n} results for a batch of {len(batch)}",
+        )
         elapsed = time.monotonic() - start
         for u, res in zip(batch, results):
             u.inference_s = elapsed
@@ -381,8 +321,3 @@ class Batcher:
             ))
         except Exception:  # an observer must never stop the worker
             log.exception("model %r: batch observer failed", self.name)
-
-
-def _fail(unit: Unit, exc: BaseException) -> None:
-    if not unit.future.done():
-        unit.future.set_exception(exc)

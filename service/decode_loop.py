@@ -40,7 +40,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
-from .errors import DeadlineExceeded, Internal, RelserveError, ResourceExhausted, Unavailable
+from . import queueing
+from .errors import DeadlineExceeded, Internal, ResourceExhausted, Unavailable
+from .queueing import fail
 
 log = logging.getLogger(__name__)
 
@@ -165,11 +167,6 @@ class DecodeSeq:
         return self.future.result()
 
 
-def _fail(seq: DecodeSeq, exc: BaseException) -> None:
-    if not seq.future.done():
-        seq.future.set_exception(exc)
-
-
 # ---------------------------------------------------------------------------------------------- the loop
 
 class DecodeLoop:
@@ -232,25 +229,21 @@ class DecodeLoop:
         if self._worker is not None:
             return
         self._wake = asyncio.Event()
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"relserve-{self.name}")
+        self._executor = queueing.model_executor(self.name)
         self._worker = asyncio.get_running_loop().create_task(self._work(), name=f"relserve-decode-{self.name}")
 
     async def close(self) -> None:
         """Stop: waiting and active sequences fail with UNAVAILABLE. A hung backend thread is abandoned."""
         self._closed = True
         for seq in self._waiting + self._active:
-            _fail(seq, Unavailable(f"model {self.name!r} is shutting down"))
+            fail(seq, Unavailable(f"model {self.name!r} is shutting down"))
         dropped = [s.seq_id for s in self._active]
         self._waiting.clear()
         self._active.clear()
         self.observer.queue_depth(0)
         self.observer.active(0)
         if self._worker is not None:
-            self._worker.cancel()
-            try:
-                await self._worker
-            except (asyncio.CancelledError, Exception):
-                pass
+            await queueing.cancel_worker(self._worker)
             self._worker = None
         if dropped:
             try:
@@ -284,11 +277,10 @@ class DecodeLoop:
             DeadlineExceeded: the deadline already passed.
             ResourceExhausted: the queue cannot take all the items (names max_queue_size).
         """
-        if self._closed or self._worker is None or self._wake is None:
-            raise Unavailable(f"model {self.name!r} is not accepting requests (not started or shutting down)")
         now = time.monotonic()
-        if deadline is not None and deadline <= now:
-            raise DeadlineExceeded(f"deadline passed before the request reached the queue of model {self.name!r}")
+        queueing.check_open(self.name, not (self._closed or self._worker is None or self._wake is None),
+                            deadline, now)
+        assert self._wake is not None
         if len(self._waiting) + len(items) > self.max_queue_size:
             self._drop_dead_waiting()
         if len(self._waiting) + len(items) > self.max_queue_size:
@@ -322,35 +314,16 @@ class DecodeLoop:
             RelserveError: the first sequence's error; DeadlineExceeded on the deadline.
             asyncio.CancelledError: the caller was cancelled.
         """
-        futures = [s.future for s in seqs]
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            done, pending = await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
-        except BaseException:
-            self.discard(seqs)
-            raise
-        errors = [f.exception() for f in futures if f in done and not f.cancelled()]
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            self.discard(seqs)
-            raise first
-        if pending:
+
+        def where() -> str:
             started = any(s.steps for s in seqs)
-            self.discard(seqs)
-            where = "while decoding" if started else "while waiting in the queue"
-            raise DeadlineExceeded(f"deadline exceeded {where} (model {self.name!r})")
-        return seqs
+            return "while decoding" if started else "while waiting in the queue"
+
+        return await queueing.wait_all(seqs, deadline, self.name, self.discard, where)
 
     def discard(self, seqs: Sequence[DecodeSeq]) -> None:
         """Cancel the reply slots; waiting ones leave the queue now, active ones before the next step."""
-        drop = {id(s) for s in seqs}
-        before = len(self._waiting)
-        self._waiting = [s for s in self._waiting if id(s) not in drop]
-        for s in seqs:
-            if not s.future.done():
-                s.future.cancel()
-        if len(self._waiting) != before:
-            self.observer.queue_depth(len(self._waiting))
+        self._waiting = queueing.discard(self._waiting, seqs, self.observer.queue_depth)
 
     # ------------------------------------------------------------------ worker
 
@@ -379,21 +352,8 @@ class DecodeLoop:
                     await asyncio.sleep(0.01)
 
     def _drop_dead_waiting(self) -> None:
-        now = time.monotonic()
-        keep = []
-        for s in self._waiting:
-            if s.future.done():
-                continue
-            if s.deadline is not None and s.deadline <= now:
-                _fail(s, DeadlineExceeded(
-                    f"deadline passed after {now - s.enqueued_at:.3f} s in the queue of model {self.name!r}, "
-                    f"before decoding started"
-                ))
-                continue
-            keep.append(s)
-        if len(keep) != len(self._waiting):
-            self._waiting = keep
-            self.observer.queue_depth(len(keep))
+        self._waiting = queueing.drop_dead(self._waiting, self.name, "before decoding started",
+                                           self.observer.queue_depth)
 
     async def _drop_dead_active(self) -> None:
         now = time.monotonic()
@@ -402,7 +362,7 @@ class DecodeLoop:
             if s.future.done():
                 dropped.append(s)
             elif s.deadline is not None and s.deadline <= now:
-                _fail(s, DeadlineExceeded(
+                fail(s, DeadlineExceeded(
                     f"deadline passed after {s.steps} decoder steps of model {self.name!r}; the text's "
                     f"hypotheses were dropped"
                 ))
@@ -426,15 +386,11 @@ class DecodeLoop:
     async def _linger(self) -> None:
         """An idle loop waits (at most max_queue_delay from the oldest arrival) for a fuller encoder batch."""
         assert self._wake is not None
-        while self._waiting and not self._full_admission_waiting():
-            remaining = self._waiting[0].enqueued_at + self.max_queue_delay - time.monotonic()
-            if remaining <= 0:
-                return
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), remaining)
-            except asyncio.TimeoutError:
-                return
+        await queueing.linger(
+            self._wake,
+            lambda: self._waiting[0].enqueued_at + self.max_queue_delay,  # the oldest still waiting
+            lambda: not self._waiting or self._full_admission_waiting(),
+        )
 
     def _full_admission_waiting(self) -> bool:
         if len(self._waiting) >= self.max_batch_size:
@@ -474,22 +430,17 @@ class DecodeLoop:
             s.queue_s = start - s.enqueued_at
         items = [StartItem(s.seq_id, s.source_ids, s.params) for s in batch]
         self.encoder_batches += 1
-        try:
-            results = list(await asyncio.get_running_loop().run_in_executor(self._executor, self.backend.start, items))
-            if len(results) != len(batch):
-                raise Internal(f"backend of model {self.name!r} started {len(results)} of {len(batch)} sources")
-        except asyncio.CancelledError:
-            for s in batch:
-                _fail(s, Unavailable(f"model {self.name!r} is shutting down"))
-            raise
-        except Exception as exc:  # only this encoder batch fails
-            results = [self._as_error(exc, f"encoding a batch of {len(batch)}")] * len(batch)
+        results, _ = await queueing.call_backend(  # a failure fails only this encoder batch
+            self._executor, self.backend.start, items, batch,
+            name=self.name, what=f"encoding a batch of {len(batch)}", log=log,
+            mismatch=lambda n: f"backend of model {self.name!r} started {n} of {len(batch)} sources",
+        )
         elapsed = time.monotonic() - start
         joined, dropped = [], []
         for s, res in zip(batch, results):
             s.encode_s = elapsed
             if isinstance(res, BaseException):
-                _fail(s, res)
+                fail(s, res)
                 dropped.append(s)
             elif s.future.done():  # cancelled while encoding
                 dropped.append(s)
@@ -515,29 +466,24 @@ class DecodeLoop:
             del self.plans[: len(self.plans) - self.max_plans_kept]
         start = time.monotonic()
         self.steps += 1
-        try:
-            updates = list(await asyncio.get_running_loop().run_in_executor(self._executor, self.backend.step, plan))
-            if len(updates) != len(seqs):
-                raise Internal(f"backend of model {self.name!r} returned {len(updates)} updates for {len(seqs)} texts")
-        except asyncio.CancelledError:
-            for s in seqs:
-                _fail(s, Unavailable(f"model {self.name!r} is shutting down"))
-            raise
-        except Exception as exc:  # the step failed: only the sequences in it hear about it
-            updates = [self._as_error(exc, f"a decoder step over {len(seqs)} texts")] * len(seqs)
+        updates, _ = await queueing.call_backend(  # a failed step: only the sequences in it hear about it
+            self._executor, self.backend.step, plan, seqs,
+            name=self.name, what=f"a decoder step over {len(seqs)} texts", log=log,
+            mismatch=lambda n: f"backend of model {self.name!r} returned {n} updates for {len(seqs)} texts",
+        )
         elapsed = time.monotonic() - start
         finished, dropped = set(), []
         for s, up in zip(seqs, updates):
             s.decode_s += elapsed
             s.steps += 1
             if isinstance(up, BaseException):
-                _fail(s, up)
+                fail(s, up)
                 dropped.append(s)
                 continue
             bad = not math.isfinite(up.best_score) or any(not math.isfinite(h.log_prob) or not math.isfinite(h.score)
                                                          for h in up.results or ())
             if bad:
-                _fail(s, Internal(f"model {self.name!r} produced non-finite scores at decoder step {s.steps}"))
+                fail(s, Internal(f"model {self.name!r} produced non-finite scores at decoder step {s.steps}"))
                 dropped.append(s)
                 continue
             if s.future.done():  # cancelled or failed elsewhere while the step ran
@@ -548,7 +494,7 @@ class DecodeLoop:
                 continue
             if up.results is not None:
                 if not up.results:
-                    _fail(s, Internal(f"model {self.name!r} finished a text with no hypotheses"))
+                    fail(s, Internal(f"model {self.name!r} finished a text with no hypotheses"))
                 else:
                     s.future.set_result(up.results)
                 s.live = 0
@@ -568,10 +514,3 @@ class DecodeLoop:
             self.observer.active(self.active_hypotheses)
         except Exception:
             log.exception("model %r: observer failed", self.name)
-
-    def _as_error(self, exc: BaseException, what: str) -> RelserveError:
-        if isinstance(exc, RelserveError):
-            return exc
-        log.error("model %r: %s failed: %s: %s", self.name, what, type(exc).__name__, exc,
-                  exc_info=(type(exc), exc, exc.__traceback__))
-        return Internal(f"model {self.name!r} failed on {what}: {type(exc).__name__}: {exc}")
