@@ -18,7 +18,6 @@ naming the file and the keys.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import CONFIG_NAME, DebertaConfig
+from .config import CONFIG_NAME, DebertaConfig, read_checkpoint_config, write_config
 from .deberta import DebertaForQuestionAnswering, DebertaForSequenceClassification
 
 SAFETENSORS_NAME = "model.safetensors"
@@ -171,16 +170,7 @@ def load_checkpoint(
 ) -> LoadedCheckpoint:
     """Load an HF-style checkpoint directory into our model, in eval mode on ``device``/``dtype``."""
     path = os.fspath(path)
-    cfg_path = os.path.join(path, CONFIG_NAME)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: not a directory")
-    if not os.path.isfile(cfg_path):
-        raise CheckpointError(f"{cfg_path}: missing")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{cfg_path}: cannot read JSON: {e}") from e
+    cfg_path, raw = read_checkpoint_config(path, CheckpointError)
     model_type = raw.get("model_type")
     if model_type == "deberta":
         raise CheckpointError(
@@ -222,9 +212,7 @@ def save_checkpoint(
         raise CheckpointError(f"save_checkpoint: {type(model).__name__} has no task head to save")
     d = config.to_dict()
     d["architectures"] = [arch]
-    with open(os.path.join(out_dir, CONFIG_NAME), "w", encoding="utf-8") as f:
-        json.dump(d, f, indent=2, sort_keys=True)
-        f.write("\n")
+    write_config(d, out_dir)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     save_file(tensors, os.path.join(out_dir, SAFETENSORS_NAME), metadata={"format": "pt"})
     if tokenizer_dir is not None:

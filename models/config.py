@@ -20,6 +20,51 @@ MODEL_TYPE = "deberta-v2"
 CONFIG_NAME = "config.json"
 RELATIVE_ATTENTION_TYPES = ("deberta", "t5")
 
+
+
+def config_path(path: str | os.PathLike) -> str:
+    """``<path>/config.json``, or ``path`` itself if it is a file."""
+    p = os.fspath(path)
+    return os.path.join(p, CONFIG_NAME) if os.path.isdir(p) else p
+
+
+def read_config(path: str | os.PathLike) -> tuple[str, Any]:
+    """Parse ``<path>/config.json`` (or ``path`` itself if it is a file); returns (the file's path, the JSON)."""
+    p = config_path(path)
+    with open(p, encoding="utf-8") as f:
+        return p, json.load(f)
+
+
+def read_checkpoint_config(path: str | os.PathLike, error: type[Exception]) -> tuple[str, Any]:
+    """Parse a checkpoint directory's ``config.json``; returns (the file's path, the JSON).
+
+    Raises:
+        error: ``path`` is not a directory, the file is missing, or it is not readable JSON (the message
+            names the file and the problem).
+    """
+    path = os.fspath(path)
+    cfg_path = os.path.join(path, CONFIG_NAME)
+    if not os.path.isdir(path):
+        raise error(f"{path}: not a directory")
+    if not os.path.isfile(cfg_path):
+        raise error(f"{cfg_path}: missing")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            return cfg_path, json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise error(f"{cfg_path}: cannot read JSON: {e}") from e
+
+
+def write_config(d: dict[str, Any], out_dir: str | os.PathLike, ensure_ascii: bool = True) -> str:
+    """Write ``d`` as ``<out_dir>/config.json`` (2-space indent, sorted keys, final newline); returns its path."""
+    os.makedirs(out_dir, exist_ok=True)
+    p = os.path.join(os.fspath(out_dir), CONFIG_NAME)
+    with open(p, "w", encoding="utf-8") as f:
+        json.dump(d, f, indent=2, sort_keys=True, ensure_ascii=ensure_ascii)
+        f.write("\n")
+    return p
+
+
 # Keys HF writes that carry no meaning for inference here; dropped on read, not written back.
 _IGNORED_KEYS = {"model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype"}
 
@@ -180,11 +225,7 @@ class DebertaConfig:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "DebertaConfig":
         """Read ``<path>/config.json`` (or ``path`` itself if it is a file)."""
-        p = os.fspath(path)
-        if os.path.isdir(p):
-            p = os.path.join(p, CONFIG_NAME)
-        with open(p, encoding="utf-8") as f:
-            d = json.load(f)
+        p, d = read_config(path)
         mt = d.get("model_type")
         if mt not in (None, MODEL_TYPE):
             raise ValueError(f"{p}: model_type {mt!r} is not supported (expected {MODEL_TYPE!r})")
@@ -213,9 +254,4 @@ class DebertaConfig:
         return d
 
     def save_pretrained(self, out_dir: str | os.PathLike) -> str:
-        os.makedirs(out_dir, exist_ok=True)
-        p = os.path.join(os.fspath(out_dir), CONFIG_NAME)
-        with open(p, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
-            f.write("\n")
-        return p
+        return write_config(self.to_dict(), out_dir)

@@ -46,7 +46,6 @@ step.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,8 +54,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .config import read_config, write_config
+
 MODEL_TYPE = "rnnsearch"
-CONFIG_NAME = "config.json"
 INIT_STATE_CHOICES = ("backward_first", "mean", "first")
 ENCODER_TYPES = ("bigru", "external")
 
@@ -124,11 +124,7 @@ class RNNSearchConfig:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "RNNSearchConfig":
         """Read ``<path>/config.json`` (or ``path`` itself if it is a file)."""
-        p = os.fspath(path)
-        if os.path.isdir(p):
-            p = os.path.join(p, CONFIG_NAME)
-        with open(p, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+        return cls.from_dict(read_config(path)[1])
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
@@ -138,12 +134,7 @@ class RNNSearchConfig:
         return d
 
     def save_pretrained(self, out_dir: str | os.PathLike) -> str:
-        os.makedirs(out_dir, exist_ok=True)
-        p = os.path.join(os.fspath(out_dir), CONFIG_NAME)
-        with open(p, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
-            f.write("\n")
-        return p
+        return write_config(self.to_dict(), out_dir)
 
 
 # ---------------------------------------------------------------------------------------------------------

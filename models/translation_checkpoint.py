@@ -30,7 +30,6 @@ Errors: ``TranslationCheckpointError`` (a ``CheckpointError``, hence ``ValueErro
 from __future__ import annotations
 
 import io
-import json
 import os
 from typing import Any, Iterable
 
@@ -38,9 +37,9 @@ import torch
 from torch import Tensor, nn
 
 from .checkpoint import CheckpointError
-from .config import DebertaConfig
+from .config import CONFIG_NAME, DebertaConfig, read_checkpoint_config, write_config
 from .deberta import DebertaModel
-from .rnnsearch import CONFIG_NAME, MODEL_TYPE, RNNSearch, RNNSearchConfig
+from .rnnsearch import MODEL_TYPE, RNNSearch, RNNSearchConfig
 
 SAFETENSORS_NAME = "model.safetensors"
 SOURCE_SPM = "source.spm"
@@ -292,25 +291,13 @@ def save_translation_checkpoint(
         if os.path.abspath(src) != os.path.abspath(dst):
             with open(src, "rb") as fi, open(dst, "wb") as fo:
                 fo.write(fi.read())
-    with open(os.path.join(out_dir, CONFIG_NAME), "w", encoding="utf-8") as f:
-        json.dump(d, f, indent=2, sort_keys=True, ensure_ascii=False)
-        f.write("\n")
+    write_config(d, out_dir, ensure_ascii=False)
     return out_dir
 
 
 def read_translation_config(path: str | os.PathLike) -> tuple[RNNSearchConfig, DebertaConfig | None, dict]:
     """Parse ``<path>/config.json`` -> (RNNSearchConfig, DeBERTa encoder config or None, raw dict)."""
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise TranslationCheckpointError(f"{path}: not a directory")
-    cfg_path = os.path.join(path, CONFIG_NAME)
-    if not os.path.isfile(cfg_path):
-        raise TranslationCheckpointError(f"{cfg_path}: missing")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise TranslationCheckpointError(f"{cfg_path}: cannot read JSON: {e}") from e
+    cfg_path, raw = read_checkpoint_config(path, TranslationCheckpointError)
     if not isinstance(raw, dict):
         raise TranslationCheckpointError(f"{cfg_path}: expected a JSON object")
     if raw.get("model_type") != MODEL_TYPE:
