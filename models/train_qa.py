@@ -43,28 +43,24 @@ import re
 import shutil
 import string
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
-from relserve.models.train_classifier import (
+from relserve.models.training import (
+    Run,
     StateStore,
-    bucketed_batches,
-    check_resume_args,
     count_parameters,
     default_state_dir,
+    initial_state,
     linear_schedule,
     make_optimizer,
     pad_batch,
     read_jsonl,
-    rng_state,
     save_model_dir,
-    set_rng_state,
     set_seed,
     sorted_batches,
 )
@@ -534,92 +530,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
     scheduler = linear_schedule(optimizer, int(args.warmup * total_steps), total_steps)
 
-    state: dict[str, Any] = {
-        "args": {**vars(args), "init_dir": str(src)}, "step": 0, "epoch": 0, "batch_in_epoch": 0, "best": -1.0,
-        "best_epoch": -1, "history": [], "train_seconds": 0.0, "run_loss": 0.0, "run_n": 0,
-    }  # fmt: skip
+    run = Run(store, initial_state({**vars(args), "init_dir": str(src)}), model, optimizer, scheduler)
     if args.resume:
-        if not store.exists():
-            raise SystemExit(f"--resume: no state at {store.path}")
-        saved = store.load()
-        check_resume_args(saved["args"], state["args"], RESUME_KEYS)
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        set_rng_state(saved["rng"])
-        for k in ("step", "epoch", "batch_in_epoch", "best", "best_epoch", "history", "train_seconds", "run_loss", "run_n"):
-            state[k] = saved[k]
-        print(f"resumed at epoch {state['epoch']} batch {state['batch_in_epoch']} step {state['step']}", file=sys.stderr)
-
-    def checkpoint_state() -> None:
-        store.save(
-            {**state, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "scheduler": scheduler.state_dict(), "rng": rng_state()}
-        )  # fmt: skip
-
+        run.resume(RESUME_KEYS)
+    state = run.state
     ce = torch.nn.CrossEntropyLoss()
-    t_start = time.monotonic() - state["train_seconds"]
-    t_run = time.monotonic()
-    stop = False
-    while state["epoch"] < args.epochs and not stop:
-        epoch = state["epoch"]
-        batches = bucketed_batches(lengths, args.batch_size, seed=args.seed * 1000 + epoch, bucket_batches=20)
-        model.train()
-        bar = tqdm(total=len(batches), initial=state["batch_in_epoch"], desc=f"epoch {epoch + 1}/{args.epochs}")
-        run_loss, run_n = (state["run_loss"], state["run_n"]) if state["batch_in_epoch"] else (0.0, 0)
-        for b in range(state["batch_in_epoch"], len(batches)):
-            batch = batches[b]
-            ids, mask, tt = pad_batch([feats[i]["ids"] for i in batch], pad_id, [feats[i]["tt"] for i in batch])
-            ys = torch.tensor([feats[i]["label"][0] for i in batch])
-            ye = torch.tensor([feats[i]["label"][1] for i in batch])
-            start, end = model(input_ids=ids, attention_mask=mask, token_type_ids=tt)[:2]
-            neg = torch.finfo(start.dtype).min
-            start = start.masked_fill(mask == 0, neg)
-            end = end.masked_fill(mask == 0, neg)
-            loss = (ce(start, ys) + ce(end, ye)) / 2
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], args.clip)
-            optimizer.step()
-            scheduler.step()
-            state["step"] += 1
-            state["batch_in_epoch"] = b + 1
-            run_loss += loss.item() * len(batch)
-            run_n += len(batch)
-            state["run_loss"], state["run_n"] = run_loss, run_n
-            bar.update(1)
-            bar.set_postfix(loss=f"{run_loss / run_n:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
-            if state["step"] % args.save_every == 0:
-                state["train_seconds"] = time.monotonic() - t_start
-                checkpoint_state()
-            if args.max_steps and state["step"] >= args.max_steps:
-                stop = True
-                break
-            if args.max_minutes and time.monotonic() - t_run > 60 * args.max_minutes:
-                print(f"--max-minutes {args.max_minutes} reached; state saved, continue with --resume", file=sys.stderr)
-                stop = True
-                break
-        bar.close()
-        if stop and state["batch_in_epoch"] < len(batches):
-            state["train_seconds"] = time.monotonic() - t_start
-            checkpoint_state()
-            break
-        metrics = squad_metrics(dev_rows, predict(model, tok, dev_rows, args, pad_id))
-        state["train_seconds"] = time.monotonic() - t_start
-        rec = {"epoch": epoch + 1, "step": state["step"], "train_loss": run_loss / max(1, run_n), **metrics,
-               "seconds": round(state["train_seconds"], 1)}  # fmt: skip
-        state["history"].append(rec)
-        print(json.dumps(rec), file=sys.stderr)
-        if metrics["f1"] > state["best"]:
-            state["best"], state["best_epoch"] = metrics["f1"], epoch + 1
-            save_model_dir(model, config, args.out, tok_dir, args.save_dtype)
-            print(f"new best dev F1 {metrics['f1']:.2f}; wrote {args.out}", file=sys.stderr)
-        state["epoch"] = epoch + 1
-        state["batch_in_epoch"] = 0
-        checkpoint_state()
 
-    if state["epoch"] < args.epochs:
-        print(f"stopped in epoch {state['epoch'] + 1} after batch {state['batch_in_epoch']}; state in {store.dir}", file=sys.stderr)
+    def batch_loss(batch: list[int]) -> torch.Tensor:
+        ids, mask, tt = pad_batch([feats[i]["ids"] for i in batch], pad_id, [feats[i]["tt"] for i in batch])
+        ys = torch.tensor([feats[i]["label"][0] for i in batch])
+        ye = torch.tensor([feats[i]["label"][1] for i in batch])
+        start, end = model(input_ids=ids, attention_mask=mask, token_type_ids=tt)[:2]
+        neg = torch.finfo(start.dtype).min
+        start = start.masked_fill(mask == 0, neg)
+        end = end.masked_fill(mask == 0, neg)
+        return (ce(start, ys) + ce(end, ye)) / 2
+
+    def evaluate() -> tuple[float, dict[str, Any]]:
+        metrics = squad_metrics(dev_rows, predict(model, tok, dev_rows, args, pad_id))
+        return metrics["f1"], metrics
+
+    def save_best(f1: float) -> None:
+        save_model_dir(model, config, args.out, tok_dir, args.save_dtype)
+        print(f"new best dev F1 {f1:.2f}; wrote {args.out}", file=sys.stderr)
+
+    if not run.train(args, lengths, batch_loss, evaluate, save_best, bucket_batches=20):
         return 3
     summary: dict[str, Any] = {
         "vocab_size": len(keep), "unk_check": unk, "features": fstats, "fresh_tensors": init_info["fresh"],
