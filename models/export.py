@@ -340,6 +340,10 @@ def run(args: argparse.Namespace) -> int:
     """``relserve export`` body. Exit codes: 0 ok, 1 parity failure or export error, 2 bad checkpoint."""
     from .checkpoint import CheckpointError
 
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        print(f"relserve export: OUT_DIR {args.out!r} exists and is not a directory; give a directory "
+              f"(model.onnx and export_report.json are written inside it)", file=sys.stderr)
+        return 2
     try:
         result = export_checkpoint(args.checkpoint, args.out, opset=args.opset, parity=not args.no_parity)
     except CheckpointError as exc:

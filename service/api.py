@@ -19,8 +19,9 @@ import grpc
 from . import metrics
 from ._proto import inference_pb2, inference_pb2_grpc
 from .backends import TASK_CLASSIFICATION, TASK_QA, TASK_TRANSLATION
-from .errors import InvalidArgument, to_status
+from .errors import InvalidArgument, ResourceExhausted, to_status
 from .runner import ModelRegistry
+from .tasks.text import is_blank
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +49,27 @@ def _rpc(task: str) -> Callable:
             scope = _Scope()
             code = "OK"
             try:
-                return await handler(self, request, context, scope)
+                reply = await handler(self, request, context, scope)
+                if reply is not None and reply.ByteSize() > self.max_send_message_length:
+                    raise ResourceExhausted(
+                        f"the reply is {reply.ByteSize()} bytes, over the server's max_send_message_length of "
+                        f"{self.max_send_message_length} bytes; send fewer texts, ask for fewer hypotheses or "
+                        f"alignments, or raise the limit in the server config"
+                    )
+                return reply
             except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED.name
+                # grpc cancels the handler both when the client cancels and when the deadline passes.
+                code = (grpc.StatusCode.DEADLINE_EXCEEDED if _expired(context) else grpc.StatusCode.CANCELLED).name
                 raise
             except Exception as exc:
                 status, details = to_status(exc)
                 code = status.name
                 if status == grpc.StatusCode.INTERNAL:
                     log.exception("%s on model %r failed: %s", handler.__name__, scope.model, details)
+                if _expired(context):
+                    # The call already ended with DEADLINE_EXCEEDED; aborting a finished call only logs noise.
+                    code = grpc.StatusCode.DEADLINE_EXCEEDED.name
+                    raise asyncio.CancelledError() from None
                 await context.abort(status, details)
             finally:
                 if scope.inflight:
@@ -68,6 +81,11 @@ def _rpc(task: str) -> Callable:
     return decorate
 
 
+def _expired(context: grpc.aio.ServicerContext) -> bool:
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
+
+
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     remaining = context.time_remaining()
     if remaining is None:
@@ -75,13 +93,10 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     return time.monotonic() + max(0.0, remaining)
 
 
-def _blank(text: str) -> bool:
-    return not text or not text.strip()
-
-
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, registry: ModelRegistry) -> None:
+    def __init__(self, registry: ModelRegistry, max_send_message_length: int = 4 * 1024 * 1024) -> None:
         self.registry = registry
+        self.max_send_message_length = max_send_message_length
 
     def _enter(self, scope: _Scope, name: str, task: str):
         if name in self.registry.runners:
@@ -112,7 +127,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if not texts:
             raise InvalidArgument("texts is empty; send at least one text")
         for i, t in enumerate(texts):
-            if _blank(t):
+            if is_blank(t):
                 raise InvalidArgument(f"texts[{i}] is empty or only whitespace; send at least one non-space character")
         if pairs:
             if len(pairs) != len(texts):
@@ -120,7 +135,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     f"text_pairs has {len(pairs)} entries but texts has {len(texts)}; send one pair per text or none"
                 )
             for i, p in enumerate(pairs):
-                if _blank(p):
+                if is_blank(p):
                     raise InvalidArgument(f"text_pairs[{i}] is empty or only whitespace")
         num_labels = len(runner.info().labels)
         if num_labels and request.top_k > num_labels:
@@ -139,9 +154,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     @_rpc(TASK_QA)
     async def Answer(self, request, context, scope):
         runner = self._enter(scope, request.model, TASK_QA)
-        if _blank(request.question):
+        if is_blank(request.question):
             raise InvalidArgument("question is empty or only whitespace")
-        if _blank(request.context):
+        if is_blank(request.context):
             raise InvalidArgument("context is empty or only whitespace")
         max_seq_len = runner.max_seq_len
         top_k = request.top_k or 1

@@ -380,8 +380,12 @@ def load_config(
         if m.name in models:
             raise ConfigError(f"model name {m.name!r} appears twice in models")
         models[m.name] = m
+    from_cli: set[str] = set()
     for spec in model_specs:
         m = _model_from_mapping(parse_model_spec(spec), Path.cwd(), f"--model {spec!r}")
+        if m.name in from_cli:
+            raise ConfigError(f"--model names must be unique: {m.name!r} is given twice")
+        from_cli.add(m.name)
         models[m.name] = m  # the command line replaces a file entry of the same name
     if not models:
         for name, sub in DEFAULT_MODELS:

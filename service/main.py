@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Prometheus /metrics port (default 8002; 0 picks a free port; -1 disables)")
     serve.add_argument("--model", action="append", default=[], metavar="NAME=DIR[,key=value...]",
                        help="serve the checkpoint DIR as NAME, e.g. --model sst2=./ckpt,max_batch_size=8 "
-                            "(repeatable; default: the built-in sentiment and qa models)")
+                            "(repeatable; default: the built-in models in defaults/)")
     serve.add_argument("--drain-timeout", type=float, help="seconds to let in-flight requests finish on SIGTERM")
     serve.add_argument("--max-message-bytes", type=int,
                        help="max gRPC message size both ways (default 4194304)")

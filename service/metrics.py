@@ -176,6 +176,14 @@ def remove_memory_source(source: MemorySource) -> None:
 
 def start_http(port: int, addr: str = "0.0.0.0"):
     """Serve /metrics on ``addr:port`` (0 picks a free port). Returns ``(server, bound_port)``;
-    stop it with ``server.shutdown()``."""
-    server, _thread = start_http_server(port, addr=addr)
+    stop it with ``server.shutdown()``.
+
+    Raises:
+        RuntimeError: the port could not be bound (message names the address).
+    """
+    try:
+        server, _thread = start_http_server(port, addr=addr)
+    except OSError as exc:
+        raise RuntimeError(f"cannot bind metrics port {addr}:{port}: {exc.strerror or exc}; "
+                           f"choose another --metrics-port (-1 disables metrics)") from None
     return server, server.server_port

@@ -53,9 +53,12 @@ class InferenceServer:
         """Bind and start serving (health NOT_SERVING until :meth:`load_models` finishes). Returns the port.
 
         Raises:
-            RuntimeError: the port could not be bound.
+            RuntimeError: the gRPC or the metrics port could not be bound.
         """
         cfg = self.config
+        if cfg.metrics_port is not None:  # bound first: a busy port then fails before any gRPC state exists
+            self._metrics_http, self.metrics_port = metrics.start_http(cfg.metrics_port, cfg.host)
+            log.info("metrics on http://%s:%d/metrics", cfg.host, self.metrics_port)
         runners = self._given_runners
         if runners is None:
             runners = [build_runner(m) for m in cfg.models]
@@ -70,7 +73,7 @@ class InferenceServer:
             ("grpc.max_send_message_length", cfg.max_send_message_length),
             ("grpc.so_reuseport", 0),
         ])
-        inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(self.registry), self.server)
+        inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(self.registry, cfg.max_send_message_length), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
@@ -83,9 +86,6 @@ class InferenceServer:
         if not self.port:
             raise RuntimeError(f"cannot bind gRPC port {address}")
         await self.server.start()
-        if cfg.metrics_port is not None:
-            self._metrics_http, self.metrics_port = metrics.start_http(cfg.metrics_port, cfg.host)
-            log.info("metrics on http://%s:%d/metrics", cfg.host, self.metrics_port)
         log.info("gRPC bound on %s:%d (NOT_SERVING until models are warm)", cfg.host, self.port)
         return self.port
 

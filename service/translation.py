@@ -28,6 +28,7 @@ from .config import MAX_BEAM_SIZE, ModelConfig
 from .decode_loop import DecodeLoop, DecodeParams, HypothesisOut, LoopObserver, SeqUpdate
 from .errors import ConfigError, DeadlineExceeded, InvalidArgument, Unavailable
 from .runner import ModelInfo, Timings
+from .tasks.text import is_blank
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,8 @@ class Request:
 
 
 def blank(text: str) -> bool:
-    return not text or not text.strip()
+    """Whitespace or zero-width characters only: translated to "" without running the model (C10)."""
+    return is_blank(text)
 
 
 class _Observer(LoopObserver):

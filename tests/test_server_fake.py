@@ -25,6 +25,7 @@ from relserve.service._proto import inference_pb2 as pb
 from relserve.service._proto import inference_pb2_grpc as pb_grpc
 from relserve.service.backends import TASK_QA
 from relserve.service.config import MIB, ConfigError, load_config
+from relserve.service.runner import DefaultTaskProcessing
 from relserve.service.server import InferenceServer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -376,3 +377,74 @@ def test_serving_modules_do_not_import_torch():
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run([PYTHON, "-c", code], check=True, timeout=60, env=env)
+
+
+# ---------------------------------------------------------------------- status bookkeeping (metrics = what clients saw)
+
+class _SlowTokenization(DefaultTaskProcessing):
+    def classify_preprocess(self, tokenizer, texts, pairs, max_seq_len):
+        time.sleep(0.6)  # in the tokenization executor: grpc cancels the handler when the deadline passes
+        return super().classify_preprocess(tokenizer, texts, pairs, max_seq_len)
+
+
+def _requests_total(model: str) -> dict[str, float]:
+    from prometheus_client import REGISTRY
+
+    out: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        for s in family.samples:
+            if s.name == "relserve_requests_total" and s.labels.get("model") == model:
+                out[s.labels["code"]] = s.value
+    return out
+
+
+def test_deadline_during_tokenization_is_counted_as_deadline_exceeded():
+    slow = runner("slowtok")
+    slow.tasks = _SlowTokenization()
+    s = Running(server_config(metrics_port=None), [slow])
+    try:
+        s.wait_serving()
+        code, _ = _code(s.stub.Classify, pb.ClassifyRequest(model="slowtok", texts=["good"]), timeout=0.2)
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(0.8)  # the handler finishes its cleanup after the tokenizer thread returns
+        counts = _requests_total("slowtok")
+        assert counts.get("DEADLINE_EXCEEDED") == 1 and "CANCELLED" not in counts, counts
+    finally:
+        s.close()
+
+
+def test_reply_over_send_limit_is_resource_exhausted_and_counted():
+    s = Running(server_config(metrics_port=None, max_send_message_length=1024), [runner("tinyreply")])
+    try:
+        s.wait_serving()
+        code, details = _code(s.stub.Classify, pb.ClassifyRequest(model="tinyreply", texts=["good"] * 200),
+                              timeout=10)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_send_message_length of 1024 bytes" in details
+        assert s.stub.Classify(pb.ClassifyRequest(model="tinyreply", texts=["good"]), timeout=10).results
+        assert _requests_total("tinyreply") == {"RESOURCE_EXHAUSTED": 1, "OK": 1}
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("text", ["\u200b", "\u2060\ufeff ", " \n\t"])
+def test_zero_width_only_text_is_blank(srv, text):
+    code, details = _code(srv.stub.Classify, pb.ClassifyRequest(model="sentiment", texts=[text]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "empty or only whitespace" in details
+
+
+def test_duplicate_model_names_on_the_command_line(tmp_path):
+    with pytest.raises(ConfigError, match="given twice"):
+        load_config(model_specs=[f"a={tmp_path}", f"a={tmp_path}"])
+
+
+def test_busy_metrics_port_is_a_clean_error():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        server = InferenceServer(server_config(metrics_port=port), runners=[runner("m")])
+        with pytest.raises(RuntimeError, match=f"cannot bind metrics port 127.0.0.1:{port}"):
+            asyncio.run(server.start())

@@ -157,8 +157,8 @@ def test_case_C10_nothing_to_translate(srv):
     solo = translate(srv, ["Guten Morgen"], beam_size=4, n_best=2)[0]
     assert [hyp_key(h) for h in results[3].hypotheses] == [hyp_key(h) for h in solo.hypotheses]
     steps_before = srv.server.registry.runners["tr"].loop.steps
-    blank_only = translate(srv, ["", "\t \n"])
-    assert [r.hypotheses[0].text for r in blank_only] == ["", ""]
+    blank_only = translate(srv, ["", "\t \n", "\u200b", "\u2060\ufeff "])  # zero-width only is blank too
+    assert [r.hypotheses[0].text for r in blank_only] == ["", "", "", ""]
     assert srv.server.registry.runners["tr"].loop.steps == steps_before  # the model never ran
 
 

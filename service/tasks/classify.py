@@ -12,13 +12,14 @@ import numpy as np
 
 from relserve.models.tokenization import Encoding, Tokenizer
 from relserve.service.errors import Internal, InvalidArgument
+from relserve.service.tasks.text import is_blank
 
 
 def validate_text(text: object, what: str = "text") -> str:
     """Return ``text`` if it is a non-blank str, else raise InvalidArgument naming ``what``."""
     if not isinstance(text, str):
         raise InvalidArgument(f"{what} must be a string, got {type(text).__name__}")
-    if not text.strip():
+    if is_blank(text):
         raise InvalidArgument(f"{what} is empty or only whitespace; send at least one non-space character")
     return text
 

@@ -33,10 +33,7 @@ import numpy as np
 
 from relserve.models.tokenization import QAWindow
 from relserve.service.errors import Internal, InvalidArgument
-
-# characters trimmed from answer ends besides str.isspace(): zero-width space/joiners, word joiner, BOM
-_INVISIBLE = frozenset("\u200b\u200c\u200d\u2060\ufeff")
-
+from relserve.service.tasks.text import is_blank, is_blank_char
 
 @dataclass(frozen=True)
 class AnswerSpan:
@@ -49,15 +46,11 @@ class AnswerSpan:
     is_impossible: bool = False
 
 
-def _blank(ch: str) -> bool:
-    return ch.isspace() or ch in _INVISIBLE
-
-
 def trim_span(context: str, start: int, end: int) -> tuple[int, int]:
     """Shrink ``[start, end)`` past leading/trailing whitespace and zero-width characters (C07)."""
-    while start < end and _blank(context[start]):
+    while start < end and is_blank_char(context[start]):
         start += 1
-    while end > start and _blank(context[end - 1]):
+    while end > start and is_blank_char(context[end - 1]):
         end -= 1
     return start, end
 
@@ -67,7 +60,7 @@ def validate_question_context(question: object, context: object) -> tuple[str, s
     for what, value in (("question", question), ("context", context)):
         if not isinstance(value, str):
             raise InvalidArgument(f"{what} must be a string, got {type(value).__name__}")
-        if not value.strip():
+        if is_blank(value):
             raise InvalidArgument(f"{what} is empty or only whitespace; send at least one non-space character")
     return question, context  # type: ignore[return-value]
 
