@@ -31,6 +31,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import ConfigError
 from . import TASK_CLASSIFICATION, TASK_QA, ModelMeta
+from .padding import pad_batch
 
 log = logging.getLogger(__name__)
 
@@ -222,18 +223,7 @@ class OnnxBackend:
                 raise res
 
     def _feeds(self, batch: Sequence[Any]) -> dict[str, np.ndarray]:
-        lengths = [len(item.input_ids) for item in batch]
-        longest = max(lengths)
-        ids = np.full((len(batch), longest), self._pad_id, dtype=np.int64)
-        mask = np.zeros((len(batch), longest), dtype=np.int64)
-        types = np.zeros((len(batch), longest), dtype=np.int64)
-        for i, item in enumerate(batch):
-            n = lengths[i]
-            ids[i, :n] = item.input_ids
-            mask[i, :n] = 1
-            tt = getattr(item, "token_type_ids", None)
-            if tt is not None and len(tt) == n:
-                types[i, :n] = tt
+        ids, mask, types = pad_batch(batch, self._pad_id)
         all_feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
         return {k: all_feeds[k] for k in self._inputs}  # only what the graph declares (C02)
 

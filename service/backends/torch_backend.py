@@ -9,12 +9,12 @@ import logging
 import threading
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from ..config import ModelConfig, check_dtype_for_device
 from ..errors import ConfigError
 from . import TASK_CLASSIFICATION, TASK_QA, ModelMeta
+from .padding import pad_batch
 
 log = logging.getLogger(__name__)
 
@@ -116,18 +116,8 @@ class TorchBackend:
     def run(self, batch: Sequence[Any]) -> list[Any]:
         if self.model is None or self.meta is None:
             raise RuntimeError("run() before load()")
+        ids, mask, types = pad_batch(batch, self._pad_id)
         lengths = [len(item.input_ids) for item in batch]
-        longest = max(lengths)
-        ids = np.full((len(batch), longest), self._pad_id, dtype=np.int64)
-        mask = np.zeros((len(batch), longest), dtype=np.int64)
-        types = np.zeros((len(batch), longest), dtype=np.int64)
-        for i, item in enumerate(batch):
-            n = lengths[i]
-            ids[i, :n] = item.input_ids
-            mask[i, :n] = 1
-            tt = getattr(item, "token_type_ids", None)
-            if tt is not None and len(tt) == n:
-                types[i, :n] = tt
         with self._lock, torch.inference_mode():
             kwargs = {
                 "input_ids": torch.from_numpy(ids).to(self.device),

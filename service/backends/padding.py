@@ -1,0 +1,29 @@
+"""Right-padding a batch of encodings into the model's input arrays — shared by every encoder backend."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+
+def pad_batch(batch: Sequence[Any], pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Right-pad ``batch`` (items with ``input_ids`` and optional ``token_type_ids``) to its longest item.
+
+    Returns:
+        ``(input_ids, attention_mask, token_type_ids)``, each Int64[B, T] with T = longest item; padding has
+        id ``pad_id``, mask 0 and type 0. Items without (or with mismatched) type ids get type 0.
+    """
+    lengths = [len(item.input_ids) for item in batch]
+    longest = max(lengths)
+    ids = np.full((len(batch), longest), pad_id, dtype=np.int64)
+    mask = np.zeros((len(batch), longest), dtype=np.int64)
+    types = np.zeros((len(batch), longest), dtype=np.int64)
+    for i, item in enumerate(batch):
+        n = lengths[i]
+        ids[i, :n] = item.input_ids
+        mask[i, :n] = 1
+        tt = getattr(item, "token_type_ids", None)
+        if tt is not None and len(tt) == n:
+            types[i, :n] = tt
+    return ids, mask, types
