@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 SERVE_ARGS ?=
 
-.PHONY: install install-test proto serve test bench clean onnx-native bench-onnx
+.PHONY: install install-test proto serve test bench clean onnx-native bench-onnx gpu-check
 
 # Runtime install: editable package + generated gRPC stubs.
 $(BIN)/.relserve-installed: pyproject.toml
@@ -42,6 +42,12 @@ onnx-native:
 # transformers : our torch : ONNX Runtime (portable, and native when built), DeBERTa-v3-base shape, CPU fp32.
 bench-onnx: install-test
 	$(BIN)/python -m relserve.loadtest.bench_onnx
+
+# On a GPU machine: the CUDA tests (skipped elsewhere), then the encoder and translation ONNX benchmarks.
+gpu-check: install-test
+	$(BIN)/python -m pytest -q -rs tests/test_cuda.py
+	$(BIN)/python -m relserve.loadtest.bench_onnx --layers 2 --repeats 2
+	$(BIN)/python -m relserve.loadtest.bench_onnx_translation --repeats 3
 
 clean:
 	rm -rf $(VENV) build *.egg-info service/_proto/*_pb2*.py

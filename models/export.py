@@ -2,7 +2,9 @@
 
     relserve export CHECKPOINT_DIR OUT_DIR [--opset 18] [--no-parity]
 
-writes ``OUT_DIR/model.onnx`` and ``OUT_DIR/export_report.json``. The graph:
+writes ``OUT_DIR/model.onnx`` and ``OUT_DIR/export_report.json``. (A translation checkpoint, ``model_type``
+"rnnsearch", is handed to :mod:`relserve.models.export_translation`: an encoder and a decoder-step graph.)
+The graph:
 
 * comes from the dynamo exporter (``torch.onnx.export(..., dynamo=True)``) traced on a 2 x 8-token sample
   with dynamic ``batch`` and ``sequence`` axes; no sequence-length maths is frozen (case C01);
@@ -160,10 +162,15 @@ def export_model(
     return proto
 
 
-def make_session(path: str | os.PathLike, providers: Sequence[str] = ("CPUExecutionProvider",),
+def make_session(path: str | os.PathLike, providers: Sequence = ("CPUExecutionProvider",),
                  intra_op_threads: int = 0, graph_optimization: str = "all", native_library: str | None = None):
     """An ONNX Runtime session for an exported graph (portable functions; ``native_library`` registers the
-    custom-op kernels of ``models/onnx_native`` when given)."""
+    custom-op kernels of ``models/onnx_native`` when given).
+
+    When ``providers`` ask for CUDA and the graph has T5 bias nodes, they are first re-homed to ONNX Runtime's
+    CUDA kernel (:func:`relserve.models.onnx_ops.to_cuda_contrib_ops`); if that session cannot be created or
+    does not get the CUDA provider (ORT falls back to CPU silently when CUDA cannot start), the graph as
+    exported is used."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -177,7 +184,21 @@ def make_session(path: str | os.PathLike, providers: Sequence[str] = ("CPUExecut
     }[graph_optimization]
     if native_library:
         opts.register_custom_ops_library(os.fspath(native_library))
-    return ort.InferenceSession(os.fspath(path), sess_options=opts, providers=list(providers))
+    providers = list(providers)
+    wants_cuda = any((p[0] if isinstance(p, tuple) else p) == "CUDAExecutionProvider" for p in providers)
+    if wants_cuda:
+        import onnx
+
+        proto = onnx.load(os.fspath(path))
+        if onnx_ops.to_cuda_contrib_ops(proto):
+            try:
+                session = ort.InferenceSession(proto.SerializeToString(), sess_options=opts, providers=providers)
+                if "CUDAExecutionProvider" in session.get_providers():
+                    return session
+            except Exception as exc:  # e.g. CUDA unusable: the contrib op has no CPU kernel
+                logging.getLogger(__name__).info("CUDA contrib RelativePositionBias not usable (%s); running the "
+                                                 "graph as exported", str(exc).splitlines()[0])
+    return ort.InferenceSession(os.fspath(path), sess_options=opts, providers=providers)
 
 
 def _case_inputs(config: DebertaConfig, inputs: list[str], lengths: list[int], seed: int) -> dict[str, np.ndarray]:
@@ -329,11 +350,43 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="HF-style DeBERTa-v2/v3 checkpoint directory")
-    parser.add_argument("out", metavar="OUT_DIR", help="where model.onnx and export_report.json go")
+    parser.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="HF-style DeBERTa-v2/v3 checkpoint directory, or an RNNsearch translation checkpoint")
+    parser.add_argument("out", metavar="OUT_DIR", help="where model.onnx (translation: encoder.onnx, decoder_step.onnx) and export_report.json go")
     parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (>= 17, default {DEFAULT_OPSET})")
     parser.add_argument("--no-parity", action="store_true", help="skip the parity report against torch")
     return parser
+
+
+def is_translation_checkpoint(path: str | os.PathLike) -> bool:
+    """True when ``<path>/config.json`` says ``model_type`` "rnnsearch" (exported by
+    :mod:`relserve.models.export_translation`)."""
+    from .rnnsearch import MODEL_TYPE
+
+    try:
+        return json.loads((Path(path) / CONFIG_NAME).read_text(encoding="utf-8")).get("model_type") == MODEL_TYPE
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _run_translation(args: argparse.Namespace) -> int:
+    from .checkpoint import CheckpointError
+    from .export_translation import export_translation_checkpoint
+
+    try:
+        report = export_translation_checkpoint(args.checkpoint, args.out, opset=args.opset, parity=not args.no_parity)
+    except CheckpointError as exc:  # TranslationCheckpointError is one
+        print(f"relserve export: {exc}", file=sys.stderr)
+        return 2
+    except (RuntimeError, ValueError) as exc:
+        print(f"relserve export: {exc}", file=sys.stderr)
+        return 1
+    if "parity" in report:
+        cases = report["parity"]["cases"]
+        worst = max(max(c["encoder_max_abs_diff"], c["decoder_step_max_abs_diff"]) for c in cases)
+        print(f"parity: {len(cases)} cases, max |diff| {worst:.2e} (tolerance {report['parity']['tolerance']}); "
+              f"searches " + ", ".join(f"{k} {'identical' if v['identical_tokens'] else 'DIFFER'}"
+                                       for k, v in report["parity"]["search"].items()))
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -344,6 +397,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"relserve export: OUT_DIR {args.out!r} exists and is not a directory; give a directory "
               f"(model.onnx and export_report.json are written inside it)", file=sys.stderr)
         return 2
+    if is_translation_checkpoint(args.checkpoint):
+        return _run_translation(args)
     try:
         result = export_checkpoint(args.checkpoint, args.out, opset=args.opset, parity=not args.no_parity)
     except CheckpointError as exc:

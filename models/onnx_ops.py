@@ -621,3 +621,30 @@ def add_local_functions(model):
     if functions and not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
     return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA: ONNX Runtime's own contrib kernel for the T5 bias
+# ---------------------------------------------------------------------------------------------------------------
+
+CUDA_CONTRIB_DOMAIN = "com.microsoft"
+
+
+def to_cuda_contrib_ops(model) -> int:
+    """Re-home ``com.relserve.RelativePositionBias`` nodes of ``model`` (in place) to ONNX Runtime's
+    ``com.microsoft.RelativePositionBias`` (CUDA contrib op, same inputs and attributes), so the CUDA execution
+    provider runs them with its own kernel. Returns the number of nodes changed.
+
+    Only for sessions on the CUDA provider: ONNX Runtime has no CPU kernel for that op. Its kernel also needs
+    ``query_length == key_length`` (self-attention, which is how our encoders use it) and ``max_distance > 0``.
+    The now unused local function stays in the model (harmless)."""
+    from onnx import helper
+
+    changed = 0
+    for node in _all_nodes(model.graph):
+        if node.domain == DOMAIN and node.op_type == "RelativePositionBias":
+            node.domain = CUDA_CONTRIB_DOMAIN
+            changed += 1
+    if changed and not any(o.domain == CUDA_CONTRIB_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(CUDA_CONTRIB_DOMAIN, 1))
+    return changed

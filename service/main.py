@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", help="DEBUG, INFO, WARNING, ... (default INFO)")
     export = sub.add_parser("export", help="export a checkpoint to ONNX (custom relative-position ops) with a "
                                            "parity report against torch")
-    export.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="HF-style DeBERTa-v2/v3 checkpoint directory")
-    export.add_argument("out", metavar="OUT_DIR", help="where model.onnx and export_report.json go")
+    export.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="HF-style DeBERTa-v2/v3 checkpoint directory, or an RNNsearch translation checkpoint")
+    export.add_argument("out", metavar="OUT_DIR", help="where model.onnx (translation: encoder.onnx, decoder_step.onnx) and export_report.json go")
     export.add_argument("--opset", type=int, default=18, help="ONNX opset (>= 17, default 18)")
     export.add_argument("--no-parity", action="store_true", help="skip the parity report against torch")
     sub.add_parser("loadtest", add_help=False,

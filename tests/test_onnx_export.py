@@ -192,6 +192,29 @@ def test_t5_relative_bias_encoder_exports(tmp_path):
     assert result.report["parity"]["passed"], result.report["parity"]
     assert result.report["custom_ops"] == ["RelativePositionBias"]
 
+    # CUDA: the T5 node is re-homed to ONNX Runtime's com.microsoft.RelativePositionBias, inputs and attributes
+    # unchanged (the contrib schema's names: bias_table, query_length, key_length; max_distance, is_bidirectional)
+    proto = onnx.load(result.graph)
+    assert onnx_ops.to_cuda_contrib_ops(proto) == 1
+    (node,) = [n for n in proto.graph.node if n.op_type == "RelativePositionBias"]
+    assert node.domain == "com.microsoft" and len(node.input) == 3
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs == {"max_distance": 128, "is_bidirectional": 1}
+    assert any(o.domain == "com.microsoft" and o.version == 1 for o in proto.opset_import)
+    schema = {(x.name, x.domain): x for x in ort.capi._pybind_state.get_all_operator_schema()}
+    contrib = schema[("RelativePositionBias", "com.microsoft")]
+    assert [i.name for i in contrib.inputs] == ["bias_table", "query_length", "key_length"]
+    assert set(contrib.attributes) == set(attrs)
+    # asking for CUDA where it cannot start (this machine) falls back to the graph as exported, same numbers
+    sess = make_session(result.graph, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    feeds = _batch([9, 200], 97, seed=5, types=False)
+    cpu = make_session(result.graph).run(None, feeds)
+    got = sess.run(None, feeds)
+    if "CUDAExecutionProvider" in sess.get_providers():  # a GPU machine: the contrib kernel ran
+        np.testing.assert_allclose(got[0], cpu[0], atol=1e-4)
+    else:
+        np.testing.assert_array_equal(got[0], cpu[0])
+
 
 def test_export_cli_errors(tmp_path, capsys):
     """The CLI path itself (a full export through it is what ``export_checkpoint`` above does)."""

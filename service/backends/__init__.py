@@ -62,6 +62,15 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
+def resolved_backend(config: ModelConfig) -> str:
+    """``torch`` or ``onnx``: ``auto`` is ONNX Runtime when ``onnxruntime`` is installed and the dtype is float32."""
+    if config.backend != "auto":
+        return config.backend
+    import importlib.util
+
+    return "onnx" if config.dtype == "float32" and importlib.util.find_spec("onnxruntime") else "torch"
+
+
 def create_backend(config: ModelConfig) -> Backend:
     """The backend named by the model's config (imports its module, and so torch, only here).
 
@@ -70,11 +79,7 @@ def create_backend(config: ModelConfig) -> Backend:
     Raises:
         ConfigError: unknown backend.
     """
-    backend = config.backend
-    if backend == "auto":
-        import importlib.util
-
-        backend = "onnx" if config.dtype == "float32" and importlib.util.find_spec("onnxruntime") else "torch"
+    backend = resolved_backend(config)
     if backend == "onnx":
         from .onnx_backend import OnnxBackend
 
@@ -103,7 +108,12 @@ def create_translation_backend(config: ModelConfig):
     Raises:
         ConfigError: unknown backend.
     """
-    if config.backend in ("torch", "auto"):  # no ONNX export for RNNsearch: auto means torch here
+    backend = resolved_backend(config)
+    if backend == "onnx":
+        from .translation_onnx import OnnxTranslationBackend
+
+        return OnnxTranslationBackend(config)
+    if backend == "torch":
         from .translation_torch import TorchTranslationBackend
 
         return TorchTranslationBackend(config)

@@ -8,7 +8,9 @@ crashed export never leaves a half graph in the cache).
 Providers: CUDA first when the model's device allows it (``auto`` / ``cuda[:N]``) and both ONNX Runtime and
 torch see a CUDA device, else CPU. The provider the session really got is what ``ModelMeta.device`` says
 (e.g. ``CPUExecutionProvider``, ``CUDAExecutionProvider:0``), so ListModels and ``relserve_model_info`` show
-it. On CUDA the inputs and outputs go through IO binding.
+it. Inputs and outputs go through IO binding as torch tensors on the session's device
+(:func:`relserve.models.ort_session.run_bound`): on CUDA no extra host copy, and the CPU runs the same code.
+The same loading rules serve translation graphs (:mod:`.translation_onnx`).
 
 At load the graph and the torch checkpoint run the warm-up batch (a short sequence and a full-length one);
 when they differ by more than ``onnx_parity_tolerance`` the model is refused with :class:`GraphMismatch`.
@@ -24,7 +26,7 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -35,7 +37,6 @@ from .padding import pad_batch
 
 log = logging.getLogger(__name__)
 
-GRAPH_CANDIDATES = ("model.onnx", "onnx/model.onnx")
 NATIVE_LIBRARY = Path(__file__).resolve().parents[2] / "models" / "onnx_native" / "build" / "librelserve_onnx_ops.so"
 
 
@@ -43,17 +44,84 @@ class GraphMismatch(RuntimeError):
     """The ONNX graph does not reproduce the torch checkpoint; the model is not served."""
 
 
-def find_graph(checkpoint: Path) -> Path | None:
-    for rel in GRAPH_CANDIDATES:
-        p = checkpoint / rel
-        if p.is_file():
-            return p
-    return None
-
-
 def native_library() -> str | None:
     """The native custom-op library when it has been built (``make onnx-native``), else None."""
     return os.fspath(NATIVE_LIBRARY) if NATIVE_LIBRARY.is_file() else None
+
+
+def select_providers(config: ModelConfig) -> list:
+    """ONNX Runtime providers for a model's ``device``: CUDA first when allowed and usable, else CPU.
+
+    Raises:
+        ConfigError: ``cuda[:N]`` was asked for but ONNX Runtime or torch sees no CUDA device.
+    """
+    import onnxruntime as ort
+
+    want = config.device
+    if want == "cpu":
+        return ["CPUExecutionProvider"]
+    import torch
+
+    cuda = "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
+    if want.startswith("cuda") and not cuda:
+        raise ConfigError(f"model {config.name!r}: device {want!r} requested but ONNX Runtime has no usable "
+                          f"CUDA provider here (available: {ort.get_available_providers()})")
+    if not cuda:
+        return ["CPUExecutionProvider"]
+    index = int(want.split(":", 1)[1]) if ":" in want else 0
+    return [("CUDAExecutionProvider", {"device_id": index}), "CPUExecutionProvider"]
+
+
+def provider_device(providers: list, provider: str) -> tuple[str, str]:
+    """(torch device for tensors, the label ListModels shows) of the provider a session really got."""
+    if provider == "CUDAExecutionProvider":
+        index = str(providers[0][1]["device_id"])
+        return "cuda:" + index, f"{provider}:{index}"
+    return "cpu", provider
+
+
+def graph_dir(config: ModelConfig, graph_name: str, export: Callable[[Path], None]) -> Path:
+    """The directory holding ``graph_name`` for a model: the checkpoint itself, its ``onnx/`` folder, else
+    ``<onnx_cache_dir>/<checkpoint sha256>/``, filled by ``export(tmp_dir)`` on first load (into a temporary
+    directory renamed into place, so a crashed export never leaves half a graph in the cache)."""
+    from relserve.models.export import checkpoint_hash
+
+    path = Path(config.path)
+    for d in (path, path / "onnx"):
+        if (d / graph_name).is_file():
+            log.info("model %r: using the exported graph %s", config.name, d / graph_name)
+            return d
+    cache = config.resolved_onnx_cache_dir() / checkpoint_hash(path)
+    if (cache / graph_name).is_file():
+        log.info("model %r: using the cached graph %s", config.name, cache / graph_name)
+        return cache
+    log.info("model %r: no ONNX graph yet; exporting %s to %s", config.name, path, cache)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=cache.name[:16] + ".", dir=cache.parent))
+    try:
+        export(tmp)
+        try:
+            os.replace(tmp, cache)
+        except OSError:  # another process won the race: use its graph
+            if not (cache / graph_name).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return cache
+
+
+def open_with_native_fallback(name: str, open_fn: Callable[[str | None], Any]) -> tuple[Any, str | None]:
+    """``open_fn(native_library())``; when the native library is present but fails to load, log it and open
+    with the portable functions instead. Returns (what ``open_fn`` returned, the library used or None)."""
+    lib = native_library()
+    try:
+        return open_fn(lib), lib
+    except Exception as exc:
+        if lib is None:
+            raise
+        log.warning("model %r: native custom-op library %s not usable (%s); using the portable functions",
+                    name, lib, exc)
+        return open_fn(None), None
 
 
 class OnnxBackend:
@@ -79,82 +147,30 @@ class OnnxBackend:
 
     # -------------------------------------------------------------- loading
 
-    def _providers(self) -> list:
-        import onnxruntime as ort
-
-        want = self.config.device
-        if want == "cpu":
-            return ["CPUExecutionProvider"]
-        import torch
-
-        cuda = "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
-        if want.startswith("cuda") and not cuda:
-            raise ConfigError(f"model {self.config.name!r}: device {want!r} requested but ONNX Runtime has no usable "
-                              f"CUDA provider here (available: {ort.get_available_providers()})")
-        if not cuda:
-            return ["CPUExecutionProvider"]
-        index = int(want.split(":", 1)[1]) if ":" in want else 0
-        return [("CUDAExecutionProvider", {"device_id": index}), "CPUExecutionProvider"]
-
-    def _graph_path(self, loaded) -> Path:
-        path = Path(self.config.path)
-        found = find_graph(path)
-        if found is not None:
-            log.info("model %r: using the exported graph %s", self.config.name, found)
-            return found
-        from relserve.models.export import GRAPH_NAME, checkpoint_hash, export_checkpoint
-
-        cache = self.config.resolved_onnx_cache_dir() / checkpoint_hash(path)
-        graph = cache / GRAPH_NAME
-        if graph.is_file():
-            log.info("model %r: using the cached graph %s", self.config.name, graph)
-            return graph
-        log.info("model %r: no ONNX graph yet; exporting %s to %s", self.config.name, path, cache)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=cache.name[:16] + ".", dir=cache.parent))
-        try:
-            export_checkpoint(path, tmp, parity=False, loaded=loaded,
-                              progress=lambda m: log.info("model %r: %s", self.config.name, m))
-            try:
-                os.replace(tmp, cache)
-            except OSError:  # another process won the race: use its graph
-                if not graph.is_file():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return graph
-
     def load(self) -> ModelMeta:
         from relserve.models.checkpoint import load_checkpoint
-        from relserve.models.export import graph_io_names, make_session
+        from relserve.models.export import GRAPH_NAME, export_checkpoint, graph_io_names, make_session
 
         name = self.config.name
         if self.config.dtype != "float32":
             raise ConfigError(f"model {name!r}: the onnx backend runs float32 graphs only, got dtype "
                               f"{self.config.dtype}; use backend torch for half precision")
-        providers = self._providers()
+        providers = select_providers(self.config)
         loaded = load_checkpoint(self.config.path, device="cpu")
         cfg, tok = loaded.config, loaded.tokenizer
         if loaded.task not in (TASK_CLASSIFICATION, TASK_QA):
             raise ConfigError(f"model {name!r}: task {loaded.task!r} is not served")
-        self.graph = self._graph_path(loaded)
-        lib = native_library()
-        try:
-            self.session = make_session(self.graph, providers=providers,
-                                        intra_op_threads=self.config.onnx_intra_op_threads,
-                                        graph_optimization=self.config.onnx_graph_optimization,
-                                        native_library=lib)
-        except Exception as exc:
-            if lib is None:
-                raise
-            log.warning("model %r: native custom-op library %s not usable (%s); using the portable functions",
-                        name, lib, exc)
-            lib = None
-            self.session = make_session(self.graph, providers=providers,
-                                        intra_op_threads=self.config.onnx_intra_op_threads,
-                                        graph_optimization=self.config.onnx_graph_optimization)
+
+        def export(tmp: Path) -> None:
+            export_checkpoint(self.config.path, tmp, parity=False, loaded=loaded,
+                              progress=lambda m: log.info("model %r: %s", name, m))
+
+        self.graph = graph_dir(self.config, GRAPH_NAME, export) / GRAPH_NAME
+        self.session, lib = open_with_native_fallback(name, lambda native: make_session(
+            self.graph, providers=providers, intra_op_threads=self.config.onnx_intra_op_threads,
+            graph_optimization=self.config.onnx_graph_optimization, native_library=native))
         self.provider = self.session.get_providers()[0]
-        self.device = "cuda:" + str(providers[0][1]["device_id"]) if self.provider == "CUDAExecutionProvider" else "cpu"
+        self.device, device = provider_device(providers, self.provider)
         self._inputs = [i.name for i in self.session.get_inputs()]
         self._outputs = [o.name for o in self.session.get_outputs()]
         want_in, want_out = graph_io_names(cfg, loaded.task)
@@ -169,7 +185,6 @@ class OnnxBackend:
         limits = [x for x in (getattr(tok, "model_max_length", None), cfg.max_position_embeddings) if x]
         max_positions = int(min(limits)) if limits else None
         self.max_seq_len = self.config.resolved_max_seq_len(max_positions)
-        device = self.provider + (":" + self.device.split(":")[1] if self.device.startswith("cuda") else "")
         self.meta = ModelMeta(
             task=loaded.task, family="deberta-v2", backend=self.name, device=device, dtype="float32",
             tokenizer=tok, labels=labels, problem_type=cfg.problem_type, max_positions=max_positions,
@@ -228,17 +243,18 @@ class OnnxBackend:
         return {k: all_feeds[k] for k in self._inputs}  # only what the graph declares (C02)
 
     def _run_session(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        if not self.device.startswith("cuda"):
-            return self.session.run(self._outputs, feeds)
-        # CUDA: bind inputs/outputs so ORT copies once each way
-        io = self.session.io_binding()
-        for k, v in feeds.items():
-            io.bind_cpu_input(k, v)
-        device_id = int(self.device.split(":")[1])
-        for k in self._outputs:
-            io.bind_output(k, "cuda", device_id)
-        self.session.run_with_iobinding(io)
-        return io.copy_outputs_to_cpu()
+        """Inputs and outputs bound as torch tensors on the session's device (IO binding; the same path on
+        CPU and CUDA, so the CPU tests exercise it)."""
+        import torch
+
+        from relserve.models.ort_session import run_bound
+
+        dev = torch.device(self.device)
+        B, T = feeds["input_ids"].shape
+        width = (len(self.meta.labels),) if self.meta.task == TASK_CLASSIFICATION else (T,)
+        outs = {k: torch.empty((B,) + width, dtype=torch.float32, device=dev) for k in self._outputs}
+        run_bound(self.session, {k: torch.from_numpy(v).to(dev) for k, v in feeds.items()}, outs)
+        return [o.cpu().numpy() for o in outs.values()]
 
     def run(self, batch: Sequence[Any]) -> list[Any]:
         if self.session is None or self.meta is None:

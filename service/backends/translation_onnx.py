@@ -1,0 +1,102 @@
+"""ONNX Runtime step backend for RNNsearch translation checkpoints (``backend: onnx``).
+
+The same step contract and beam bookkeeping as :class:`TorchTranslationBackend`; only the model differs: an
+:class:`relserve.models.ort_rnnsearch.OrtRNNSearch` over ``encoder.onnx`` + ``decoder_step.onnx``, found or
+exported on first load by the rules of :mod:`.onnx_backend` (checkpoint dir, its ``onnx/`` folder, else the
+export cache keyed by checkpoint hash). At load, the graphs and the torch checkpoint encode the warm-up
+sources and take one decoder step; a difference above ``onnx_parity_tolerance`` refuses the model
+(:class:`GraphMismatch`). The provider in use is ``ModelMeta.device``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+from . import TASK_TRANSLATION, ModelMeta
+from .onnx_backend import GraphMismatch, graph_dir, open_with_native_fallback, provider_device, select_providers
+from .translation_torch import TorchTranslationBackend
+
+log = logging.getLogger(__name__)
+
+
+class OnnxTranslationBackend(TorchTranslationBackend):
+    name = "onnxruntime"
+
+    def __init__(self, config, loader=None) -> None:
+        super().__init__(config, loader)
+        self.graph_dir: Path | None = None
+        self.parity_diff: float | None = None
+
+    def load(self) -> ModelMeta:
+        from relserve.models.export_translation import DECODER_GRAPH, ENCODER_GRAPH, export_translation_checkpoint
+        from relserve.models.ort_rnnsearch import OrtRNNSearch
+        from relserve.models.translation_checkpoint import encoder_kind, load_translation_checkpoint
+
+        name = self.config.name
+        if self.config.dtype != "float32":
+            raise ConfigError(f"model {name!r}: the onnx backend runs float32 graphs only, got dtype "
+                              f"{self.config.dtype}; use backend torch for half precision")
+        providers = select_providers(self.config)
+        loaded = (self._loader or load_translation_checkpoint)(self.config.path, device="cpu", dtype=torch.float32)
+        reference, model_config, tokenizer = loaded
+
+        def export(tmp: Path) -> None:
+            export_translation_checkpoint(self.config.path, tmp, parity=False, loaded=loaded,
+                                          progress=lambda m: log.info("model %r: %s", name, m))
+
+        self.graph_dir = graph_dir(self.config, ENCODER_GRAPH, export)
+        if not (self.graph_dir / DECODER_GRAPH).is_file():
+            raise GraphMismatch(f"model {name!r}: {self.graph_dir / ENCODER_GRAPH} has no {DECODER_GRAPH} beside "
+                                f"it; re-export the checkpoint with `relserve export`")
+        model, lib = open_with_native_fallback(name, lambda native: OrtRNNSearch(
+            self.graph_dir, model_config, providers=providers, intra_op_threads=self.config.onnx_intra_op_threads,
+            graph_optimization=self.config.onnx_graph_optimization, native_library=native))
+        provider = model.providers[0]
+        self.device, device_label = provider_device(providers, provider)
+        model.device = torch.device(self.device)  # where the session really runs (ORT may fall back to CPU)
+        self.model, self.model_config, self.tokenizer = model, model_config, tokenizer
+        self._self_check(reference.eval())
+        kind = encoder_kind(reference)
+        self.meta = ModelMeta(
+            task=TASK_TRANSLATION, family=f"rnnsearch-{kind}", backend=self.name, device=device_label,
+            dtype="float32", tokenizer=tokenizer, max_positions=None,
+            extra={"eos_token_id": int(model_config.eos_token_id), "graph": os.fspath(self.graph_dir),
+                   "native_ops": bool(lib)},
+        )
+        log.info("model %r: ONNX Runtime translation graphs in %s on %s (%s custom ops), parity %.2e", name,
+                 self.graph_dir, provider, "native" if lib else "portable", self.parity_diff)
+        return self.meta
+
+    @torch.inference_mode()
+    def _self_check(self, reference) -> None:
+        """Encoder outputs and one decoder step (two hypotheses per source) vs torch on two sources."""
+        cfg = self.model_config
+        v = int(cfg.src_vocab_size)
+        eos = int(cfg.eos_token_id)
+        ids = torch.tensor([[min(4, v - 1), min(5, v - 1), min(6, v - 1), eos], [min(7, v - 1), eos, 0, 0]])
+        ids[1, 2:] = int(cfg.pad_token_id)
+        mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+        want = reference.encode(ids, mask)
+        got = self.model.encode(ids, mask)
+        worst = 0.0
+        for a, b in ((want.annotations, got.annotations), (want.projected_annotations, got.projected_annotations),
+                     (want.init_state, got.init_state)):
+            worst = max(worst, float((a - b.cpu()).abs().max()))
+        rows = torch.tensor([0, 0, 1, 1])
+        tokens = torch.tensor([int(cfg.bos_token_id), min(5, cfg.tgt_vocab_size - 1)] * 2)
+        hidden = want.init_state.index_select(0, rows)
+        for a, b in zip(reference.decode_step(want, rows, tokens, hidden), self.model.decode_step(want, rows, tokens, hidden)):
+            worst = max(worst, float(np.max(np.abs(a.float().numpy() - b.float().cpu().numpy()))))
+        self.parity_diff = worst
+        if not worst <= self.config.onnx_parity_tolerance:
+            raise GraphMismatch(
+                f"model {self.config.name!r}: ONNX graphs in {self.graph_dir} differ from the torch checkpoint "
+                f"{self.config.path} by {worst:.3g} on the warm-up sources (tolerance "
+                f"{self.config.onnx_parity_tolerance}); refusing to serve them. Delete the graphs to re-export, "
+                f"or run `relserve export` again")
