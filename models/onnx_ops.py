@@ -10,8 +10,14 @@ Domain ``com.relserve`` version 1 holds three ops. Each op has
   (:func:`custom_translation_table`) that emits the op as a single node of this domain;
 * a portable implementation: :func:`add_local_functions` puts one ``FunctionProto`` per op into the exported
   model (same domain and name), written in standard ONNX ops, so any ONNX Runtime inlines it and runs the
-  graph with no extra library. A native kernel library (``models/onnx_native``), when registered, takes the
-  nodes instead.
+  graph with no extra library. A native kernel library (``models/onnx_native``, ``make onnx-native``), when
+  registered, takes the nodes of the ops in :data:`NATIVE_KERNELS` instead: LogBucketRelativePosition and
+  RelativePositionBias, whose kernels beat the functions in the op-level benchmark
+  (``python -m relserve.loadtest.bench_onnx_ops``, DeBERTa-v3-base shapes, CPU fp32, 2 threads, native:portable
+  time 0.08 / 0.06 and 0.29 / 0.33 at 8x128 / 8x512). DisentangledAttentionBias has no kernel: the C++ one
+  measured 2.33 / 5.54 against the function (MatMul + GatherElements) and was removed, so that op always runs
+  its portable function. Both of the kept ops run once per forward on [Tq, Tk]; the saving is well under 1 ms
+  (8x128) to a few ms (8x512) per forward.
 
 Ops (shapes: B batch, n heads, d head size, Tq/Tk query/key length, R rows of a relative table):
 
@@ -64,11 +70,15 @@ DOMAIN = "com.relserve"
 DOMAIN_VERSION = 1
 TORCH_NAMESPACE = "relserve"
 OP_NAMES = ("LogBucketRelativePosition", "DisentangledAttentionBias", "RelativePositionBias")
+# Ops with a kernel in the native library (models/onnx_native): those where it beat the portable function in
+# ``python -m relserve.loadtest.bench_onnx_ops``. DisentangledAttentionBias always runs its portable function.
+NATIVE_KERNELS = ("LogBucketRelativePosition", "RelativePositionBias")
 
 __all__ = [
     "DOMAIN",
     "DOMAIN_VERSION",
     "OP_NAMES",
+    "NATIVE_KERNELS",
     "log_bucket_relative_position",
     "disentangled_attention_bias",
     "relative_position_bias",

@@ -243,50 +243,97 @@ def test_each_op_exports_as_one_custom_node(tmp_path):
 # ------------------------------------------------------------------------------------------ native kernels (optional)
 
 
-def test_native_kernels_match_torch():
-    """Runs only where ``make onnx-native`` has built the library (not part of the default build)."""
+def _native_library():
     from relserve.service.backends.onnx_backend import native_library
 
     lib = native_library()
     if lib is None:
         pytest.skip("native custom-op library not built (make onnx-native)")
+    return lib
 
-    def run(node, inputs, feeds, out_type, rank, init=()):
-        graph = helper.make_graph([node], "g", inputs, [_vi(node.output[0], out_type, rank)], initializer=list(init))
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                        helper.make_opsetid(ops.DOMAIN, 1)], ir_version=10)
-        ops.add_local_functions(model)
-        so = ort.SessionOptions()
-        so.register_custom_ops_library(lib)
-        so.enable_profiling = False
-        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
 
+def _native_session(lib, node, inputs, out_type, rank, init=(), functions=True):
+    graph = helper.make_graph([node], "g", inputs, [_vi(node.output[0], out_type, rank)], initializer=list(init))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid(ops.DOMAIN, 1)], ir_version=10)
+    ops.add_local_functions(model)
+    if not functions:
+        del model.functions[:]
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(lib)
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _dab_case(rng, c2p, p2c):
+    q, k = rng.standard_normal((2, 3, 50, 8), dtype=np.float32), rng.standard_normal((2, 3, 50, 8), dtype=np.float32)
+    pq, pk = rng.standard_normal((3, 64, 8), dtype=np.float32), rng.standard_normal((3, 64, 8), dtype=np.float32)
+    rel = ops.log_bucket_relative_position_reference(50, 50, 32, 128).numpy()
+    node = helper.make_node("DisentangledAttentionBias", ["q", "k", "pq" if p2c else "", "pk" if c2p else "", "rel"],
+                            ["b"], domain=ops.DOMAIN, att_span=32, scale=0.25, c2p=c2p, p2c=p2c)
+    inputs = [_vi("q", F32, 4), _vi("k", F32, 4)] + ([_vi("pq", F32, 3)] if p2c else []) + \
+             ([_vi("pk", F32, 3)] if c2p else []) + [_vi("rel", I64, 2)]
+    feeds = {"q": q, "k": k, "rel": rel} | ({"pq": pq} if p2c else {}) | ({"pk": pk} if c2p else {})
+    want = ops.disentangled_attention_bias(*(torch.from_numpy(x) if x is not None else None for x in
+                                             (q, k, pq if p2c else None, pk if c2p else None, rel)),
+                                           att_span=32, scale=0.25, c2p=bool(c2p), p2c=bool(p2c))
+    return node, inputs, feeds, want.numpy()
+
+
+def test_native_kernels_match_torch():
+    """Runs only where ``make onnx-native`` has built the library (not part of the default build). The library
+    has kernels for ``ops.NATIVE_KERNELS`` (LogBucketRelativePosition, RelativePositionBias) only."""
+    lib = _native_library()
     for bs, mp in ((256, 512), (32, 128), (-1, -1)):
         node = helper.make_node("LogBucketRelativePosition", ["q", "k"], ["r"], domain=ops.DOMAIN, bucket_size=bs,
                                 max_position=mp)
-        got = run(node, [_vi("q", I64, 0), _vi("k", I64, 0)], {"q": np.array(2000), "k": np.array(1500)}, I64, 2)
+        sess = _native_session(lib, node, [_vi("q", I64, 0), _vi("k", I64, 0)], I64, 2, functions=False)
+        got = sess.run(None, {"q": np.array(2000), "k": np.array(1500)})[0]
         assert np.array_equal(got, ops.log_bucket_relative_position_reference(2000, 1500, bs, mp).numpy())
     rng = np.random.default_rng(0)
-    for c2p, p2c in ((1, 1), (1, 0), (0, 1)):
-        q, k = rng.standard_normal((2, 3, 50, 8), dtype=np.float32), rng.standard_normal((2, 3, 50, 8), dtype=np.float32)
-        pq, pk = rng.standard_normal((3, 64, 8), dtype=np.float32), rng.standard_normal((3, 64, 8), dtype=np.float32)
-        rel = ops.log_bucket_relative_position_reference(50, 50, 32, 128).numpy()
-        node = helper.make_node("DisentangledAttentionBias", ["q", "k", "pq" if p2c else "", "pk" if c2p else "", "rel"],
-                                ["b"], domain=ops.DOMAIN, att_span=32, scale=0.25, c2p=c2p, p2c=p2c)
-        inputs = [_vi("q", F32, 4), _vi("k", F32, 4)] + ([_vi("pq", F32, 3)] if p2c else []) + \
-                 ([_vi("pk", F32, 3)] if c2p else []) + [_vi("rel", I64, 2)]
-        feeds = {"q": q, "k": k, "rel": rel} | ({"pq": pq} if p2c else {}) | ({"pk": pk} if c2p else {})
-        want = ops.disentangled_attention_bias(*(torch.from_numpy(x) if x is not None else None for x in
-                                                 (q, k, pq if p2c else None, pk if c2p else None, rel)),
-                                               att_span=32, scale=0.25, c2p=bool(c2p), p2c=bool(p2c))
-        np.testing.assert_allclose(run(node, inputs, feeds, F32, 4), want.numpy(), atol=2e-5, rtol=1e-5)
     table = rng.standard_normal((32, 3), dtype=np.float32)
-    node = helper.make_node("RelativePositionBias", ["t", "q", "k"], ["o"], domain=ops.DOMAIN, max_distance=128,
-                            is_bidirectional=1)
-    got = run(node, [_vi("q", I64, 0), _vi("k", I64, 0)], {"q": np.array(700), "k": np.array(700)}, F32, 4,
-              [helper.make_tensor("t", F32, table.shape, table.ravel())])
-    want = ops.relative_position_bias(torch.from_numpy(table), 700, 700, max_distance=128)
-    assert np.array_equal(got, want.numpy())
+    for bidirectional in (1, 0):
+        node = helper.make_node("RelativePositionBias", ["t", "q", "k"], ["o"], domain=ops.DOMAIN, max_distance=128,
+                                is_bidirectional=bidirectional)
+        sess = _native_session(lib, node, [_vi("q", I64, 0), _vi("k", I64, 0)], F32, 4,
+                               [helper.make_tensor("t", F32, table.shape, table.ravel())], functions=False)
+        for q, k in ((700, 700), (3, 50)):
+            got = sess.run(None, {"q": np.array(q), "k": np.array(k)})[0]
+            want = ops.relative_position_bias(torch.from_numpy(table), q, k, max_distance=128,
+                                              is_bidirectional=bool(bidirectional))
+            assert np.array_equal(got, want.numpy())
+
+
+def test_native_library_registers_exactly_the_kept_kernels():
+    """A graph holding a node but no local function only loads when the library has that op's kernel: exactly
+    ``ops.NATIVE_KERNELS``. DisentangledAttentionBias (kernel removed: slower than the portable function) still
+    runs in a session with the library registered, through its model-local function."""
+    lib = _native_library()
+    assert set(ops.NATIVE_KERNELS) == {"LogBucketRelativePosition", "RelativePositionBias"}
+    rng = np.random.default_rng(1)
+    table = [helper.make_tensor("t", F32, (32, 3), rng.standard_normal(96, dtype=np.float32))]
+    lengths = [_vi("q", I64, 0), _vi("k", I64, 0)]
+    cases = {
+        "LogBucketRelativePosition": (helper.make_node("LogBucketRelativePosition", ["q", "k"], ["r"],
+                                                       domain=ops.DOMAIN, bucket_size=8, max_position=20),
+                                      lengths, I64, 2, ()),
+        "RelativePositionBias": (helper.make_node("RelativePositionBias", ["t", "q", "k"], ["o"], domain=ops.DOMAIN,
+                                                  max_distance=128, is_bidirectional=1), lengths, F32, 4, table),
+    }
+    node, inputs, feeds, want = _dab_case(rng, 1, 1)
+    cases["DisentangledAttentionBias"] = (node, inputs, F32, 4, ())
+    assert set(cases) == set(ops.OP_NAMES)
+    registered = set()
+    for name, (node, inputs, out_type, rank, init) in cases.items():
+        try:
+            _native_session(lib, node, inputs, out_type, rank, init, functions=False)
+        except Exception:  # noqa: BLE001 - no kernel and no function: the session cannot be made
+            continue
+        registered.add(name)
+    assert registered == set(ops.NATIVE_KERNELS)
+    for c2p, p2c in ((1, 1), (1, 0), (0, 1)):  # the removed op: portable function, same numbers as torch
+        node, inputs, feeds, want = _dab_case(rng, c2p, p2c)
+        got = _native_session(lib, node, inputs, F32, 4).run(None, feeds)[0]
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
 def test_training_gets_gradients_through_the_reference():

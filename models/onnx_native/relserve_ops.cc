@@ -1,10 +1,18 @@
-// Native CPU kernels for the com.relserve custom ops (see relserve/models/onnx_ops.py for their contract).
+// Native CPU kernels for two of the com.relserve custom ops (see relserve/models/onnx_ops.py for their contract):
+// LogBucketRelativePosition and RelativePositionBias (T5). DisentangledAttentionBias has no kernel here: a
+// session with this library registered runs that op's model-local portable function, as stock ORT does.
+//
+// Kept only where the op-level benchmark shows the kernel beating the portable function
+// (`python -m relserve.loadtest.bench_onnx_ops`, DeBERTa-v3-base shapes, CPU fp32, 2 intra-op threads,
+// native:portable time): LogBucketRelativePosition 0.08 at 8x128 / 0.06 at 8x512, RelativePositionBias 0.29 /
+// 0.33. The DisentangledAttentionBias kernel (per-element dot products) measured 2.33 / 5.54, slower than the
+// function's MatMul + GatherElements, and was removed.
 //
 // Built by `make onnx-native` (models/onnx_native/build.sh) against the ONNX Runtime C/C++ API headers of
 // Debian's libonnxruntime-dev (API 21), which the 1.31 runtime accepts. Loaded with
-// SessionOptions.register_custom_ops_library(path); the library calls RegisterCustomOps, adds the three ops
+// SessionOptions.register_custom_ops_library(path); the library calls RegisterCustomOps, adds its two ops
 // to the "com.relserve" domain, and ORT then runs these kernels instead of inlining the model-local
-// functions. float32 only (other types fall back to nothing: the graphs we export are float32).
+// functions of those ops. float32 only (other types fall back to nothing: the graphs we export are float32).
 //
 // Float arithmetic of the bucket functions follows the torch code (float32, same operation order), so the
 // bucket ids equal what torch computes.
@@ -66,92 +74,6 @@ struct LogBucketOp : Ort::CustomOpBase<LogBucketOp, LogBucketKernel> {
   ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64; }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64; }
-};
-
-// ------------------------------------------------------------------------------------ DisentangledAttentionBias
-
-struct DabWork {
-  const float *q, *k, *pq, *pk;
-  const int64_t* rel;
-  float* out;
-  int64_t n, Tq, Tk, d, R, span, offset;
-  float scale;
-};
-
-inline float Dot(const float* a, const float* b, int64_t d) {
-  float s = 0.f;
-  for (int64_t x = 0; x < d; ++x) s += a[x] * b[x];
-  return s;
-}
-
-// One (b, h, i) row of the output: c2p q_i·pos_key[idx] + p2c k_j·pos_query[idx], times scale.
-void DabRow(void* data, size_t row) {
-  const DabWork& w = *static_cast<const DabWork*>(data);
-  const int64_t i = static_cast<int64_t>(row) % w.Tq;
-  const int64_t bh = static_cast<int64_t>(row) / w.Tq;
-  const int64_t h = bh % w.n;
-  float* out = w.out + static_cast<int64_t>(row) * w.Tk;
-  const int64_t* rel = w.rel + i * w.Tk;
-  const float* qi = w.q ? w.q + (bh * w.Tq + i) * w.d : nullptr;
-  const float* kb = w.k + bh * w.Tk * w.d;
-  const float* pk = w.pk ? w.pk + h * w.R * w.d : nullptr;
-  const float* pq = w.pq ? w.pq + h * w.R * w.d : nullptr;
-  for (int64_t j = 0; j < w.Tk; ++j) {
-    int64_t idx = std::min(std::max(rel[j] + w.span, int64_t{0}), 2 * w.span - 1) - w.offset;
-    idx = std::min(std::max(idx, int64_t{0}), w.R - 1);
-    float s = 0.f;
-    if (pk) s += Dot(qi, pk + idx * w.d, w.d);
-    if (pq) s += Dot(kb + j * w.d, pq + idx * w.d, w.d);
-    out[j] = s * w.scale;
-  }
-}
-
-struct DabKernel {
-  int64_t span, c2p, p2c;
-  float scale;
-  DabKernel(const OrtApi&, const OrtKernelInfo* info) {
-    Ort::ConstKernelInfo ki(info);
-    span = ki.GetAttribute<int64_t>("att_span");
-    scale = ki.GetAttribute<float>("scale");
-    c2p = ki.GetAttribute<int64_t>("c2p");
-    p2c = ki.GetAttribute<int64_t>("p2c");
-  }
-  void Compute(OrtKernelContext* context) {
-    Ort::KernelContext ctx(context);
-    auto q = ctx.GetInput(0), k = ctx.GetInput(1), pq = ctx.GetInput(2), pk = ctx.GetInput(3), rel = ctx.GetInput(4);
-    const bool has_pq = static_cast<const OrtValue*>(pq) != nullptr && p2c;
-    const bool has_pk = static_cast<const OrtValue*>(pk) != nullptr && c2p;
-    if (!has_pq && !has_pk) ORT_CXX_API_THROW("DisentangledAttentionBias: no term enabled or its table missing", ORT_INVALID_ARGUMENT);
-    auto qs = q.GetTensorTypeAndShapeInfo().GetShape();
-    auto ks = k.GetTensorTypeAndShapeInfo().GetShape();
-    auto ps = (has_pk ? pk : pq).GetTensorTypeAndShapeInfo().GetShape();
-    DabWork w{};
-    w.n = qs[1], w.Tq = qs[2], w.d = qs[3], w.Tk = ks[2], w.R = ps[1];
-    w.span = span, w.offset = span - w.R / 2, w.scale = scale;
-    w.q = q.GetTensorData<float>(), w.k = k.GetTensorData<float>();
-    w.pk = has_pk ? pk.GetTensorData<float>() : nullptr;
-    w.pq = has_pq ? pq.GetTensorData<float>() : nullptr;
-    if (!has_pk) w.q = nullptr;
-    w.rel = rel.GetTensorData<int64_t>();
-    std::vector<int64_t> shape{qs[0], w.n, w.Tq, w.Tk};
-    w.out = ctx.GetOutput(0, shape).GetTensorMutableData<float>();
-    const size_t rows = static_cast<size_t>(qs[0] * w.n * w.Tq);
-    if (rows) ctx.ParallelFor(DabRow, rows, 0, &w);
-  }
-};
-
-struct DabOp : Ort::CustomOpBase<DabOp, DabKernel> {
-  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new DabKernel(api, info); }
-  const char* GetName() const { return "DisentangledAttentionBias"; }
-  size_t GetInputTypeCount() const { return 5; }
-  ONNXTensorElementDataType GetInputType(size_t i) const {
-    return i == 4 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-  }
-  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
-    return (i == 2 || i == 3) ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
-  }
-  size_t GetOutputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };
 
 // ------------------------------------------------------------------------------------ RelativePositionBias (T5)
@@ -216,7 +138,6 @@ struct RpbOp : Ort::CustomOpBase<RpbOp, RpbKernel> {
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
   static LogBucketOp log_bucket;
-  static DabOp dab;
   static RpbOp rpb;
   static std::once_flag once;
   static Ort::CustomOpDomain* domain = nullptr;
@@ -224,7 +145,6 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
     std::call_once(once, [] {
       domain = new Ort::CustomOpDomain("com.relserve");  // lives as long as the process: sessions keep pointers
       domain->Add(&log_bucket);
-      domain->Add(&dab);
       domain->Add(&rpb);
     });
     Ort::UnownedSessionOptions(options).Add(*domain);
