@@ -11,8 +11,9 @@ on the same German sentences (``loadtest/data/de_en_dev.jsonl``, ``--batch`` of 
 * ``step``: one decoder step for ``batch x beam`` hypotheses;
 * ``beam``: a whole beam search (``--beam``, ``max_len_cap`` 40) over the batch, tokens must be identical.
 
-Each measurement runs torch and ONNX Runtime alternately ``--repeats`` times (so drift in machine load hits
-both alike); medians and the torch / ORT time ratio (> 1: ORT faster) are printed.
+Each measurement warms both up, then runs torch and ONNX Runtime alternately ``--repeats`` times (a sample
+is 5 encodes, 20 steps or one search; alternating lets drift in machine load hit both alike); medians per
+call and the torch / ORT time ratio (> 1: ORT faster) are printed.
 """
 
 from __future__ import annotations
@@ -43,13 +44,12 @@ def _sentences(n: int) -> list[str]:
     return rows
 
 
-def _time(fn, repeats: int) -> float:
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
+def _time(fn, calls: int) -> float:
+    """Seconds for ``calls`` back-to-back calls of ``fn``."""
+    t = time.perf_counter()
+    for _ in range(calls):
         fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
+    return time.perf_counter() - t
 
 
 def bench_model(path: Path, args) -> dict:
@@ -83,13 +83,15 @@ def bench_model(path: Path, args) -> dict:
             diff = max(float((a - b).abs().max()) for a, b in zip(model.decode_step(state, rows, tokens, hidden),
                                                                   ort_model.decode_step(state, rows, tokens, hidden)))
             med: dict[str, dict[str, float]] = {k: {} for k in models}
-            for what, call in (("encode", lambda m: m.encode(ids, mask)),
-                               ("step", lambda m: m.decode_step(state, rows, tokens, hidden)),
-                               ("beam", lambda m: beam_search(m, ids, mask, opts))):
+            for what, calls, call in (("encode", 5, lambda m: m.encode(ids, mask)),
+                                      ("step", 20, lambda m: m.decode_step(state, rows, tokens, hidden)),
+                                      ("beam", 1, lambda m: beam_search(m, ids, mask, opts))):
+                for m in models.values():  # warm-up: first calls allocate
+                    call(m)
                 samples: dict[str, list[float]] = {k: [] for k in models}
                 for _ in range(args.repeats):
                     for k, m in models.items():
-                        samples[k].append(_time(lambda: call(m), 1))
+                        samples[k].append(_time(lambda: call(m), calls) / calls)
                 for k in models:
                     med[k][what] = statistics.median(samples[k])
     row = {

@@ -100,6 +100,61 @@ def _max_length(config: DebertaConfig) -> int | None:
     return config.max_position_embeddings if config.position_biased_input else None
 
 
+_EXPORTER_LOGGERS = ("torch.onnx", "onnxscript", "onnx_ir")  # "torchvision is not installed", pass-by-pass INFO
+
+
+def check_opset(opset: int) -> None:
+    """Raises ``ValueError`` unless 17 <= ``opset`` <= the newest opset the installed onnx knows."""
+    import onnx
+
+    top = onnx.defs.onnx_opset_version()
+    if not 17 <= opset <= top:
+        raise ValueError(f"opset {opset}: need 17..{top} (17 for LayerNormalization; {top} is the newest the "
+                         f"installed onnx package knows)")
+
+
+def graph_opset(proto) -> int:
+    """The ai.onnx opset a ModelProto imports."""
+    return next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
+
+
+def dynamo_export(module: nn.Module, sample: dict[str, torch.Tensor], outputs: list[str], dynamic: dict, opset: int,
+                  table: dict | None = None):
+    """``torch.onnx.export(dynamo=True)`` of ``module(**sample)`` with our custom-op translations (plus
+    ``table``), exporter chatter silenced, model-local functions added; returns the ModelProto.
+
+    Raises:
+        ValueError: an opset outside 17..newest, or one the exporter could not produce.
+        RuntimeError: the graph's inputs are not ``list(sample)``.
+    """
+    check_opset(opset)
+    onnx_ops.register_schemas()
+    loggers = [logging.getLogger(n) for n in _EXPORTER_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(module, (), kwargs=sample, dynamo=True, input_names=list(sample),
+                                        output_names=outputs, dynamic_shapes=dynamic, opset_version=opset,
+                                        custom_translation_table={**onnx_ops.custom_translation_table(),
+                                                                  **(table or {})},
+                                        verbose=False, optimize=True)
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+    proto = program.model_proto
+    if graph_opset(proto) != opset:
+        raise ValueError(f"the exporter produced opset {graph_opset(proto)}, not the requested {opset} "
+                         f"(some op has no opset-{opset} form); use --opset {graph_opset(proto)}")
+    onnx_ops.add_local_functions(proto)
+    got = [i.name for i in proto.graph.input]
+    if got != list(sample):
+        raise RuntimeError(f"exported graph inputs {got} differ from the declared {list(sample)}")
+    return proto
+
+
 def export_model(
     model: nn.Module,
     config: DebertaConfig,
@@ -112,13 +167,11 @@ def export_model(
     """Export ``model`` (ours, any device; exported on CPU in float32) to ``path``; returns the ModelProto.
 
     Raises:
-        ValueError: opset below 17.
+        ValueError: an opset outside 17..newest (see :func:`dynamo_export`).
     """
     import onnx
 
-    if opset < 17:
-        raise ValueError(f"opset {opset}: need >= 17 (LayerNormalization)")
-    onnx_ops.register_schemas()
+    check_opset(opset)
     inputs, outputs = graph_io_names(config, task)
     model = model.to("cpu", torch.float32).eval()
     wrapper = (_WithTypes(model) if "token_type_ids" in inputs else _WithoutTypes(model)).eval()
@@ -130,30 +183,7 @@ def export_model(
     batch = torch.export.Dim("batch", min=1, max=1 << 16)
     seq = torch.export.Dim("sequence", min=1, max=_max_length(config) or (1 << 16))
     dynamic = {name: {0: batch, 1: seq} for name in inputs}
-    quiet = logging.getLogger("torch.onnx")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)  # "torchvision is not installed" and friends
-    with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(
-            wrapper,
-            (),
-            kwargs=sample,
-            dynamo=True,
-            input_names=inputs,
-            output_names=outputs,
-            dynamic_shapes=dynamic,
-            opset_version=opset,
-            custom_translation_table=onnx_ops.custom_translation_table(),
-            verbose=False,
-            optimize=True,
-        )
-    quiet.setLevel(level)
-    proto = program.model_proto
-    onnx_ops.add_local_functions(proto)
-    got = [i.name for i in proto.graph.input]
-    if got != inputs:
-        raise RuntimeError(f"exported graph inputs {got} differ from the declared {inputs}")
+    proto = dynamo_export(wrapper, sample, outputs, dynamic, opset)
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     onnx.save_model(proto, path)
@@ -396,6 +426,11 @@ def run(args: argparse.Namespace) -> int:
     if Path(args.out).exists() and not Path(args.out).is_dir():
         print(f"relserve export: OUT_DIR {args.out!r} exists and is not a directory; give a directory "
               f"(model.onnx and export_report.json are written inside it)", file=sys.stderr)
+        return 2
+    try:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"relserve export: cannot create OUT_DIR {args.out!r}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     if is_translation_checkpoint(args.checkpoint):
         return _run_translation(args)

@@ -34,10 +34,8 @@ tokens must be identical.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -195,25 +193,12 @@ def _max_source_length(model: RNNSearch) -> int:
 
 
 def _export(module: nn.Module, sample: dict[str, Tensor], outputs: list[str], dynamic: dict, opset: int,
-            table: dict, path: Path):
+            path: Path):
     import onnx
 
-    quiet = logging.getLogger("torch.onnx")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
-        with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            program = torch.onnx.export(module, (), kwargs=sample, dynamo=True, input_names=list(sample),
-                                        output_names=outputs, dynamic_shapes=dynamic, opset_version=opset,
-                                        custom_translation_table=table, verbose=False, optimize=True)
-    finally:
-        quiet.setLevel(level)
-    proto = program.model_proto
-    onnx_ops.add_local_functions(proto)
-    got = [i.name for i in proto.graph.input]
-    if got != list(sample):
-        raise RuntimeError(f"exported graph inputs {got} differ from the declared {list(sample)}")
+    from .export import dynamo_export
+
+    proto = dynamo_export(module, sample, outputs, dynamic, opset, _gru_translation())
     onnx.save_model(proto, os.fspath(path))
     return proto
 
@@ -225,18 +210,17 @@ def export_translation_model(model: RNNSearch, out_dir: str | os.PathLike, *, op
     Returns ``{"encoder": ModelProto, "decoder_step": ModelProto}``.
 
     Raises:
-        ValueError: opset below 17.
+        ValueError: an opset outside 17..newest, or one the exporter cannot produce for these graphs.
     """
     import onnx
 
-    if opset < 17:
-        raise ValueError(f"opset {opset}: need >= 17 (LayerNormalization)")
-    onnx_ops.register_schemas()
+    from .export import check_opset
+
+    check_opset(opset)
     model = model.to("cpu", torch.float32).eval()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.config
-    table = {**onnx_ops.custom_translation_table(), **_gru_translation()}
     g = torch.Generator().manual_seed(0)
     # Sample sizes all differ and exceed 1, so the exporter specialises none of the dynamic axes.
     batch, length, hyps = 2, 7, 3
@@ -247,7 +231,7 @@ def export_translation_model(model: RNNSearch, out_dir: str | os.PathLike, *, op
     S = torch.export.Dim("source_length", min=1, max=_max_source_length(model))
     encoder = EncoderGraph(model).eval()
     enc_proto = _export(encoder, {"src_ids": ids, "src_mask": mask}, ENCODER_OUTPUTS,
-                        {"src_ids": {0: B, 1: S}, "src_mask": {0: B, 1: S}}, opset, table, out / ENCODER_GRAPH)
+                        {"src_ids": {0: B, 1: S}, "src_mask": {0: B, 1: S}}, opset, out / ENCODER_GRAPH)
     with torch.no_grad():
         annotations, projected, init_state = encoder(ids, mask)
     R = torch.export.Dim("sources", min=1, max=1 << 16)
@@ -259,8 +243,7 @@ def export_translation_model(model: RNNSearch, out_dir: str | os.PathLike, *, op
     }
     dynamic = {"annotations": {0: R, 1: S}, "projected_annotations": {0: R, 1: S}, "src_mask": {0: R, 1: S},
                "source_index": {0: N}, "prev_tokens": {0: N}, "prev_hidden": {0: N}}
-    dec_proto = _export(DecoderStepGraph(model).eval(), sample, DECODER_OUTPUTS, dynamic, opset, table,
-                        out / DECODER_GRAPH)
+    dec_proto = _export(DecoderStepGraph(model).eval(), sample, DECODER_OUTPUTS, dynamic, opset, out / DECODER_GRAPH)
     if check:
         for name in (ENCODER_GRAPH, DECODER_GRAPH):
             onnx.checker.check_model(os.fspath(out / name), full_check=True)

@@ -625,6 +625,13 @@ def add_local_functions(model):
     from onnx import helper
 
     functions = local_function_protos(model)
+    # The bodies use ops unchanged from opset 17 on; they import the model's own ai.onnx version, which the
+    # checker requires to match (a model at opset 19 may not call functions that import 18).
+    model_opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), _FUNCTION_OPSET)
+    for f in functions:
+        for imp in f.opset_import:
+            if imp.domain in ("", "ai.onnx"):
+                imp.version = model_opset
     keep = [f for f in model.functions if f.domain != DOMAIN]
     del model.functions[:]
     model.functions.extend(keep + functions)

@@ -256,6 +256,9 @@ def validate_model(m: ModelConfig) -> ModelConfig:
         raise ConfigError(f"{where}: dtype {m.dtype!r} is not one of {list(DTYPES)}")
     if m.device == "cpu":
         check_dtype_for_device(m.name, m.dtype, m.device)
+    if m.backend == "onnx" and m.dtype != "float32":
+        raise ConfigError(f"{where}: the onnx backend runs float32 graphs only, got dtype {m.dtype}; use backend "
+                          f"torch for half precision")
     positive = ("max_batch_size", "max_batch_tokens", "max_queue_size", "doc_stride", "max_answer_len")
     for key in positive:
         if getattr(m, key) < 1:

@@ -224,3 +224,25 @@ def test_export_cli_errors(tmp_path, capsys):
     assert (args.command, args.checkpoint, args.out, args.opset, args.no_parity) == ("export", "ckpt", "out", 17, True)
     assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 2  # not a checkpoint
     assert "config.json" in capsys.readouterr().err
+
+
+def test_export_opsets_and_out_dir_errors(tmp_path, capsys):
+    """Newer opsets export with parity (the local functions import the model's opset); impossible ones and an
+    OUT_DIR under a file are refused with a message, not a traceback."""
+    from relserve.models.export import main as export_main
+
+    cfg = DebertaConfig.from_dict(dict(V3, vocab_size=97, num_labels=2))
+    model = DebertaForSequenceClassification(cfg)
+    _randomise(model, 4)
+    ckpt = save_checkpoint(model, cfg, tmp_path / "ckpt")
+    for opset in (17, 20):
+        result = export_checkpoint(ckpt, tmp_path / f"o{opset}", opset=opset, progress=None)
+        graph = onnx.load(result.graph)
+        assert result.report["opset"] == opset and result.report["parity"]["passed"]
+        assert [o.version for o in graph.opset_import if o.domain == ""] == [opset]
+        assert {o.version for f in graph.functions for o in f.opset_import if o.domain == ""} == {opset}
+    assert export_main([str(ckpt), str(tmp_path / "o99"), "--opset", "99"]) == 1
+    assert "opset 99: need 17.." in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert export_main([str(ckpt), str(tmp_path / "afile" / "sub")]) == 2
+    assert "cannot create OUT_DIR" in capsys.readouterr().err

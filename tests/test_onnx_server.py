@@ -151,3 +151,44 @@ def test_config_keys_and_auto(tmp_path, checkpoints, monkeypatch):
     be = OnnxBackend(ModelConfig(name="m", path=checkpoints["cls"], backend="onnx", device="cpu", dtype="bfloat16"))
     with pytest.raises(ConfigError, match="float32 graphs only"):
         be.load()
+
+
+def test_graph_provenance_vocabulary_wide_check_and_cache_repair(checkpoints, cache_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from relserve.models.export import REPORT_NAME
+
+    entry = cache_dir / checkpoint_hash(checkpoints["cls"])
+    # 1. graphs + report of another checkpoint beside this one: refused by the recorded hash
+    ckpt = tmp_path / "other"
+    shutil.copytree(checkpoints["cls-other"], ckpt)
+    shutil.copytree(entry, ckpt / "onnx")
+    assert (ckpt / "onnx" / REPORT_NAME).is_file()
+    with pytest.raises(GraphMismatch, match=r"exported from another checkpoint .*relserve export"):
+        OnnxBackend(ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx", max_seq_len=64)).load()
+    # 2. embedding rows the short warm-up item never reads, changed; no report: the long item catches it
+    ckpt = tmp_path / "rows"
+    shutil.copytree(checkpoints["cls"], ckpt)
+    sd = load_file(ckpt / "model.safetensors")
+    key = next(k for k in sd if k.endswith("word_embeddings.weight"))
+    sd[key][100:] += 0.5 * torch.randn(sd[key][100:].shape, generator=torch.Generator().manual_seed(0))
+    save_file(sd, ckpt / "model.safetensors", metadata={"format": "pt"})
+    (ckpt / "onnx").mkdir()
+    shutil.copyfile(entry / "model.onnx", ckpt / "onnx" / "model.onnx")
+    with pytest.raises(GraphMismatch, match="refusing to serve"):
+        OnnxBackend(ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx", max_seq_len=64)).load()
+    # 3. a corrupted cache entry is exported again instead of failing every restart
+    cache = tmp_path / "cache"
+    cfg = ModelConfig(name="m", path=checkpoints["cls"], device="cpu", backend="onnx", max_seq_len=64,
+                      onnx_cache_dir=cache)
+    OnnxBackend(cfg).load()
+    graph = cache / checkpoint_hash(checkpoints["cls"]) / "model.onnx"
+    graph.write_bytes(graph.read_bytes()[:1000])
+    be = OnnxBackend(cfg)
+    be.load()
+    assert be.parity_diff < 1e-4 and graph.stat().st_size > 1000
+
+
+def test_onnx_backend_half_precision_is_a_config_error(checkpoints):
+    with pytest.raises(ConfigError, match="float32 graphs only"):
+        load_config(model_specs=[f"m={checkpoints['cls']},backend=onnx,dtype=float16"])

@@ -236,17 +236,63 @@ def test_stream_on_onnx_backend(srv):
     assert msgs[-1].final and [h.text for h in msgs[-1].result.hypotheses] == [h.text for h in unary.hypotheses]
 
 
-def test_graphs_of_other_weights_are_refused(checkpoints, cache_dir, tmp_path):
+def test_graphs_of_other_weights_are_refused(checkpoints, exported, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(checkpoints["bigru-other"], ckpt)
-    src = cache_dir / checkpoint_hash(checkpoints["bigru"])
-    shutil.copytree(src, ckpt / "onnx")
-    be = OnnxTranslationBackend(ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx"))
+    shutil.copytree(exported["bigru"], ckpt / "onnx")
+    cfg = ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx", onnx_cache_dir=tmp_path / "cache")
+    # the export report beside the graphs names another checkpoint hash
+    with pytest.raises(GraphMismatch, match=r"'m'.* exported from another checkpoint .*relserve export"):
+        OnnxTranslationBackend(cfg).load()
+    # without a report, the load-time parity check catches it
+    (ckpt / "onnx" / "export_report.json").unlink()
     with pytest.raises(GraphMismatch, match=r"differ from the torch checkpoint .* refusing to serve"):
-        be.load()
+        OnnxTranslationBackend(cfg).load()
     (ckpt / "onnx" / "decoder_step.onnx").unlink()
-    with pytest.raises(GraphMismatch, match="no decoder_step.onnx"):
+    with pytest.raises(GraphMismatch, match="has encoder.onnx but not decoder_step.onnx"):
+        OnnxTranslationBackend(cfg).load()
+
+
+def test_parity_check_reads_the_whole_vocabulary(checkpoints, exported, tmp_path):
+    """Weights changed only in embedding rows the short warm-up source never reads are still caught."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["bigru"], ckpt)
+    sd = load_file(ckpt / "model.safetensors")
+    w = sd["encoder.embeddings.weight"]
+    w[100:] += 0.5 * torch.randn(w[100:].shape, generator=torch.Generator().manual_seed(0))
+    save_file(sd, ckpt / "model.safetensors", metadata={"format": "pt"})
+    shutil.copytree(exported["bigru"], ckpt / "onnx")
+    (ckpt / "onnx" / "export_report.json").unlink()
+    with pytest.raises(GraphMismatch, match="refusing to serve"):
         OnnxTranslationBackend(ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx")).load()
+
+
+def test_graphs_of_another_shape_are_refused_by_name(checkpoints, exported, tmp_path):
+    from relserve.models.export_translation import export_translation_model
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["bigru"], ckpt)
+    small = make_tiny_checkpoint(tmp_path / "small", seed=3, hidden=16)  # 16-wide states, not 24
+    export_translation_model(load_translation_checkpoint(small)[0], ckpt / "onnx", check=False)
+    with pytest.raises(GraphMismatch, match=r"model 'm': the ONNX graphs in .*onnx do not work with checkpoint "
+                                            r".*re-export them with `relserve export"):
+        OnnxTranslationBackend(ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx")).load()
+
+
+def test_a_broken_cache_entry_is_exported_again(checkpoints, tmp_path):
+    cfg = ModelConfig(name="m", path=checkpoints["bigru"], device="cpu", backend="onnx", onnx_cache_dir=tmp_path)
+    OnnxTranslationBackend(cfg).load()
+    entry = tmp_path / checkpoint_hash(checkpoints["bigru"])
+    (entry / "decoder_step.onnx").write_bytes(b"not a protobuf")  # truncated / corrupted
+    be = OnnxTranslationBackend(cfg)
+    be.load()
+    assert be.parity_diff < 1e-4 and (entry / "decoder_step.onnx").stat().st_size > 1000
+    (entry / "encoder.onnx").unlink()  # incomplete
+    be = OnnxTranslationBackend(cfg)
+    be.load()
+    assert (entry / "encoder.onnx").is_file()
 
 
 def test_backend_selection_for_translation(checkpoints):

@@ -20,13 +20,14 @@ Custom ops run as the graph's portable functions, or as native kernels when the 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
@@ -36,6 +37,7 @@ from . import TASK_CLASSIFICATION, TASK_QA, ModelMeta
 from .padding import pad_batch
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 NATIVE_LIBRARY = Path(__file__).resolve().parents[2] / "models" / "onnx_native" / "build" / "librelserve_onnx_ops.so"
 
@@ -64,8 +66,10 @@ def select_providers(config: ModelConfig) -> list:
 
     cuda = "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
     if want.startswith("cuda") and not cuda:
-        raise ConfigError(f"model {config.name!r}: device {want!r} requested but ONNX Runtime has no usable "
-                          f"CUDA provider here (available: {ort.get_available_providers()})")
+        why = ("torch sees no CUDA device (torch.cuda.is_available() is False)"
+               if "CUDAExecutionProvider" in ort.get_available_providers()
+               else f"this ONNX Runtime has no CUDAExecutionProvider (it has {ort.get_available_providers()})")
+        raise ConfigError(f"model {config.name!r}: device {want!r} requested but {why}")
     if not cuda:
         return ["CPUExecutionProvider"]
     index = int(want.split(":", 1)[1]) if ":" in want else 0
@@ -80,34 +84,94 @@ def provider_device(providers: list, provider: str) -> tuple[str, str]:
     return "cpu", provider
 
 
-def graph_dir(config: ModelConfig, graph_name: str, export: Callable[[Path], None]) -> Path:
-    """The directory holding ``graph_name`` for a model: the checkpoint itself, its ``onnx/`` folder, else
-    ``<onnx_cache_dir>/<checkpoint sha256>/``, filled by ``export(tmp_dir)`` on first load (into a temporary
-    directory renamed into place, so a crashed export never leaves half a graph in the cache)."""
-    from relserve.models.export import checkpoint_hash
-
-    path = Path(config.path)
-    for d in (path, path / "onnx"):
-        if (d / graph_name).is_file():
-            log.info("model %r: using the exported graph %s", config.name, d / graph_name)
-            return d
-    cache = config.resolved_onnx_cache_dir() / checkpoint_hash(path)
-    if (cache / graph_name).is_file():
-        log.info("model %r: using the cached graph %s", config.name, cache / graph_name)
-        return cache
-    log.info("model %r: no ONNX graph yet; exporting %s to %s", config.name, path, cache)
+def _export_into(cache: Path, export: Callable[[Path], None]) -> None:
+    """``export(tmp)`` into a temporary directory renamed to ``cache`` (a crashed export leaves nothing)."""
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=cache.name[:16] + ".", dir=cache.parent))
     try:
         export(tmp)
         try:
             os.replace(tmp, cache)
-        except OSError:  # another process won the race: use its graph
-            if not (cache / graph_name).is_file():
+        except OSError:  # another process won the race: use its graphs
+            if not cache.is_dir():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return cache
+
+
+def _check_report(config: ModelConfig, d: Path, digest: str) -> None:
+    """Refuse graphs whose ``export_report.json`` names another checkpoint hash (the parity self-check only
+    sees the warm-up inputs, so weights that differ elsewhere could pass it)."""
+    from relserve.models.export import REPORT_NAME
+
+    try:
+        recorded = json.loads((d / REPORT_NAME).read_text(encoding="utf-8")).get("checkpoint_sha256")
+    except (OSError, ValueError, AttributeError):
+        return  # no report (a hand-placed graph): the parity self-check is the only guard
+    if recorded and recorded != digest:
+        raise GraphMismatch(
+            f"model {config.name!r}: the ONNX graphs in {d} were exported from another checkpoint (their "
+            f"{REPORT_NAME} records sha256 {recorded[:12]}..., this checkpoint is {digest[:12]}...: other weights "
+            f"or config, or an older export format); re-export them with `relserve export {config.path} {d}`")
+
+
+def _open(config: ModelConfig, d: Path, open_and_check: Callable[[Path], T], advice: str) -> T:
+    try:
+        return open_and_check(d)
+    except (GraphMismatch, ConfigError):
+        raise
+    except Exception as exc:  # ORT: unreadable protobuf, shapes that do not fit the checkpoint, ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise GraphMismatch(f"model {config.name!r}: the ONNX graphs in {d} do not work with checkpoint "
+                            f"{config.path} ({type(exc).__name__}: {first}); {advice}") from exc
+
+
+def load_graphs(config: ModelConfig, names: Sequence[str], export: Callable[[Path], None],
+                open_and_check: Callable[[Path], T]) -> tuple[T, Path]:
+    """Find a model's ONNX graphs (``names``, all in one directory) and return (``open_and_check(dir)``, dir).
+
+    Where: the checkpoint directory, its ``onnx/`` folder (what ``relserve export CKPT CKPT/onnx`` writes),
+    else ``<onnx_cache_dir>/<checkpoint sha256>/``, filled by ``export(tmp_dir)`` on first load.
+    ``open_and_check`` opens the sessions and raises :class:`GraphMismatch` when the graphs do not reproduce
+    the checkpoint; any other error there is re-raised as a GraphMismatch naming the model and the directory.
+
+    Graphs beside the checkpoint are used as they are: a directory missing one of ``names``, or whose
+    ``export_report.json`` records another checkpoint hash, is refused with advice to re-export. A cache entry
+    that is incomplete, unreadable or mismatching is deleted and exported again, once.
+    """
+    from relserve.models.export import checkpoint_hash
+
+    path = Path(config.path)
+    digest = checkpoint_hash(path)
+    for d in (path, path / "onnx"):
+        if (d / names[0]).is_file():
+            log.info("model %r: using the exported graphs in %s", config.name, d)
+            advice = f"re-export them with `relserve export {path} {d}`"
+            missing = [n for n in names if not (d / n).is_file()]
+            if missing:
+                raise GraphMismatch(f"model {config.name!r}: {d} has {names[0]} but not {', '.join(missing)}; "
+                                    f"{advice}")
+            _check_report(config, d, digest)
+            return _open(config, d, open_and_check, advice), d
+    cache = config.resolved_onnx_cache_dir() / digest
+    for attempt in (1, 2):
+        if not all((cache / n).is_file() for n in names):
+            if cache.exists():
+                log.warning("model %r: export cache entry %s is incomplete; exporting again", config.name, cache)
+                shutil.rmtree(cache, ignore_errors=True)
+            log.info("model %r: no ONNX graphs yet; exporting %s to %s", config.name, path, cache)
+            _export_into(cache, export)
+        else:
+            log.info("model %r: using the cached graphs in %s", config.name, cache)
+        try:
+            return _open(config, cache, open_and_check, f"delete {cache} to export again"), cache
+        except GraphMismatch as exc:
+            if attempt == 2:
+                raise
+            log.warning("model %r: cached graphs unusable (%s); deleting %s and exporting again", config.name,
+                        exc, cache)
+            shutil.rmtree(cache, ignore_errors=True)
+    raise AssertionError("unreachable")
 
 
 def open_with_native_fallback(name: str, open_fn: Callable[[str | None], Any]) -> tuple[Any, str | None]:
@@ -143,6 +207,7 @@ class OnnxBackend:
         self._inputs: list[str] = []
         self._outputs: list[str] = []
         self._pad_id = 0
+        self._vocab_size = 6
         self._lock = threading.Lock()
 
     # -------------------------------------------------------------- loading
@@ -160,37 +225,42 @@ class OnnxBackend:
         cfg, tok = loaded.config, loaded.tokenizer
         if loaded.task not in (TASK_CLASSIFICATION, TASK_QA):
             raise ConfigError(f"model {name!r}: task {loaded.task!r} is not served")
-
-        def export(tmp: Path) -> None:
-            export_checkpoint(self.config.path, tmp, parity=False, loaded=loaded,
-                              progress=lambda m: log.info("model %r: %s", name, m))
-
-        self.graph = graph_dir(self.config, GRAPH_NAME, export) / GRAPH_NAME
-        self.session, lib = open_with_native_fallback(name, lambda native: make_session(
-            self.graph, providers=providers, intra_op_threads=self.config.onnx_intra_op_threads,
-            graph_optimization=self.config.onnx_graph_optimization, native_library=native))
-        self.provider = self.session.get_providers()[0]
-        self.device, device = provider_device(providers, self.provider)
-        self._inputs = [i.name for i in self.session.get_inputs()]
-        self._outputs = [o.name for o in self.session.get_outputs()]
-        want_in, want_out = graph_io_names(cfg, loaded.task)
-        if self._inputs != want_in or self._outputs != want_out:
-            raise GraphMismatch(f"model {name!r}: graph {self.graph} has inputs {self._inputs} and outputs "
-                                f"{self._outputs}, but the checkpoint's {loaded.task} model needs {want_in} -> "
-                                f"{want_out}; re-export it with `relserve export`")
         self._pad_id = int(getattr(tok, "pad_token_id", 0) or 0)
+        self._vocab_size = int(cfg.vocab_size)
         labels: tuple[str, ...] = ()
         if loaded.task == TASK_CLASSIFICATION:
             labels = tuple(str(cfg.id2label.get(i, f"LABEL_{i}")) for i in range(cfg.num_labels))
         limits = [x for x in (getattr(tok, "model_max_length", None), cfg.max_position_embeddings) if x]
         max_positions = int(min(limits)) if limits else None
         self.max_seq_len = self.config.resolved_max_seq_len(max_positions)
-        self.meta = ModelMeta(
-            task=loaded.task, family="deberta-v2", backend=self.name, device=device, dtype="float32",
-            tokenizer=tok, labels=labels, problem_type=cfg.problem_type, max_positions=max_positions,
-            extra={"graph": os.fspath(self.graph), "native_ops": bool(lib)},
-        )
-        self._self_check(loaded.model)
+
+        def export(tmp: Path) -> None:
+            export_checkpoint(self.config.path, tmp, parity=False, loaded=loaded,
+                              progress=lambda m: log.info("model %r: %s", name, m))
+
+        def open_and_check(d: Path) -> str | None:
+            self.graph = d / GRAPH_NAME
+            self.session, lib = open_with_native_fallback(name, lambda native: make_session(
+                self.graph, providers=providers, intra_op_threads=self.config.onnx_intra_op_threads,
+                graph_optimization=self.config.onnx_graph_optimization, native_library=native))
+            self.provider = self.session.get_providers()[0]
+            self.device, device = provider_device(providers, self.provider)
+            self._inputs = [i.name for i in self.session.get_inputs()]
+            self._outputs = [o.name for o in self.session.get_outputs()]
+            want_in, want_out = graph_io_names(cfg, loaded.task)
+            if self._inputs != want_in or self._outputs != want_out:
+                raise GraphMismatch(f"model {name!r}: graph {self.graph} has inputs {self._inputs} and outputs "
+                                    f"{self._outputs}, but the checkpoint's {loaded.task} model needs {want_in} -> "
+                                    f"{want_out}; re-export it with `relserve export`")
+            self.meta = ModelMeta(
+                task=loaded.task, family="deberta-v2", backend=self.name, device=device, dtype="float32",
+                tokenizer=tok, labels=labels, problem_type=cfg.problem_type, max_positions=max_positions,
+                extra={"graph": os.fspath(self.graph), "native_ops": bool(lib)},
+            )
+            self._self_check(loaded.model)
+            return lib
+
+        lib, _ = load_graphs(self.config, (GRAPH_NAME,), export, open_and_check)
         log.info("model %r: ONNX Runtime %s on %s (%s custom ops), parity %.2e", name, self.graph, self.provider,
                  "native" if lib else "portable", self.parity_diff)
         return self.meta
@@ -199,8 +269,10 @@ class OnnxBackend:
         tok = self.meta.tokenizer
         cls_id = int(getattr(tok, "cls_token_id", 1) or 1)
         sep_id = int(getattr(tok, "sep_token_id", 2) or 2)
-        return [_Item([cls_id, 5, 6, 7, sep_id]), _Item([cls_id] + [5 + i % 50 for i in range(self.max_seq_len - 2)]
-                                                        + [sep_id])]
+        # The long item strides through the whole vocabulary, so the self-check reads embedding rows everywhere.
+        span = max(1, self._vocab_size - 5)
+        spread = [5 + (i * 7919) % span for i in range(self.max_seq_len - 2)]
+        return [_Item([cls_id, 5, 6, 7, sep_id]), _Item([cls_id] + spread + [sep_id])]
 
     def _self_check(self, model) -> None:
         """Graph vs torch on the warm-up batch; raises GraphMismatch beyond the tolerance."""

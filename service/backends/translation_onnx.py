@@ -19,7 +19,7 @@ import torch
 
 from ..errors import ConfigError
 from . import TASK_TRANSLATION, ModelMeta
-from .onnx_backend import GraphMismatch, graph_dir, open_with_native_fallback, provider_device, select_providers
+from .onnx_backend import GraphMismatch, load_graphs, open_with_native_fallback, provider_device, select_providers
 from .translation_torch import TorchTranslationBackend
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,7 @@ class OnnxTranslationBackend(TorchTranslationBackend):
     def __init__(self, config, loader=None) -> None:
         super().__init__(config, loader)
         self.graph_dir: Path | None = None
+        self._device_label = "CPUExecutionProvider"
         self.parity_diff: float | None = None
 
     def load(self) -> ModelMeta:
@@ -50,46 +51,53 @@ class OnnxTranslationBackend(TorchTranslationBackend):
             export_translation_checkpoint(self.config.path, tmp, parity=False, loaded=loaded,
                                           progress=lambda m: log.info("model %r: %s", name, m))
 
-        self.graph_dir = graph_dir(self.config, ENCODER_GRAPH, export)
-        if not (self.graph_dir / DECODER_GRAPH).is_file():
-            raise GraphMismatch(f"model {name!r}: {self.graph_dir / ENCODER_GRAPH} has no {DECODER_GRAPH} beside "
-                                f"it; re-export the checkpoint with `relserve export`")
-        model, lib = open_with_native_fallback(name, lambda native: OrtRNNSearch(
-            self.graph_dir, model_config, providers=providers, intra_op_threads=self.config.onnx_intra_op_threads,
-            graph_optimization=self.config.onnx_graph_optimization, native_library=native))
-        provider = model.providers[0]
-        self.device, device_label = provider_device(providers, provider)
-        model.device = torch.device(self.device)  # where the session really runs (ORT may fall back to CPU)
-        self.model, self.model_config, self.tokenizer = model, model_config, tokenizer
-        self._self_check(reference.eval())
+        def open_and_check(d: Path) -> str | None:
+            self.graph_dir = d
+            model, lib = open_with_native_fallback(name, lambda native: OrtRNNSearch(
+                d, model_config, providers=providers, intra_op_threads=self.config.onnx_intra_op_threads,
+                graph_optimization=self.config.onnx_graph_optimization, native_library=native))
+            self.device, self._device_label = provider_device(providers, model.providers[0])
+            model.device = torch.device(self.device)  # where the session really runs (ORT may fall back to CPU)
+            self.model, self.model_config, self.tokenizer = model, model_config, tokenizer
+            self._self_check(reference.eval())
+            return lib
+
+        lib, _ = load_graphs(self.config, (ENCODER_GRAPH, DECODER_GRAPH), export, open_and_check)
         kind = encoder_kind(reference)
         self.meta = ModelMeta(
-            task=TASK_TRANSLATION, family=f"rnnsearch-{kind}", backend=self.name, device=device_label,
+            task=TASK_TRANSLATION, family=f"rnnsearch-{kind}", backend=self.name, device=self._device_label,
             dtype="float32", tokenizer=tokenizer, max_positions=None,
             extra={"eos_token_id": int(model_config.eos_token_id), "graph": os.fspath(self.graph_dir),
                    "native_ops": bool(lib)},
         )
         log.info("model %r: ONNX Runtime translation graphs in %s on %s (%s custom ops), parity %.2e", name,
-                 self.graph_dir, provider, "native" if lib else "portable", self.parity_diff)
+                 self.graph_dir, self._device_label, "native" if lib else "portable", self.parity_diff)
         return self.meta
 
     @torch.inference_mode()
     def _self_check(self, reference) -> None:
-        """Encoder outputs and one decoder step (two hypotheses per source) vs torch on two sources."""
+        """Encoder outputs and one decoder step vs torch: a short source and one that strides through the
+        whole source vocabulary; hypotheses whose previous tokens stride through the target vocabulary (so
+        the check reads embedding rows everywhere, not just a few)."""
         cfg = self.model_config
-        v = int(cfg.src_vocab_size)
-        eos = int(cfg.eos_token_id)
-        ids = torch.tensor([[min(4, v - 1), min(5, v - 1), min(6, v - 1), eos], [min(7, v - 1), eos, 0, 0]])
-        ids[1, 2:] = int(cfg.pad_token_id)
-        mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+        v, eos, pad = int(cfg.src_vocab_size), int(cfg.eos_token_id), int(cfg.pad_token_id)
+        width = 64
+        ids = torch.full((2, width), pad, dtype=torch.long)
+        mask = torch.zeros(2, width, dtype=torch.bool)
+        ids[0, :3] = torch.tensor([min(4, v - 1), min(5, v - 1), eos])
+        mask[0, :3] = True
+        ids[1, : width - 1] = torch.tensor([(i * 7919) % v for i in range(width - 1)])
+        ids[1, width - 1] = eos
+        mask[1] = True
         want = reference.encode(ids, mask)
         got = self.model.encode(ids, mask)
         worst = 0.0
         for a, b in ((want.annotations, got.annotations), (want.projected_annotations, got.projected_annotations),
                      (want.init_state, got.init_state)):
             worst = max(worst, float((a - b.cpu()).abs().max()))
-        rows = torch.tensor([0, 0, 1, 1])
-        tokens = torch.tensor([int(cfg.bos_token_id), min(5, cfg.tgt_vocab_size - 1)] * 2)
+        k = int(cfg.tgt_vocab_size)
+        tokens = torch.tensor([(i * 7919) % k for i in range(64)])
+        rows = torch.arange(64) % 2
         hidden = want.init_state.index_select(0, rows)
         for a, b in zip(reference.decode_step(want, rows, tokens, hidden), self.model.decode_step(want, rows, tokens, hidden)):
             worst = max(worst, float(np.max(np.abs(a.float().numpy() - b.float().cpu().numpy()))))
