@@ -192,6 +192,12 @@ def load_checkpoint(
         from .tokenization import load_tokenizer as _load_tokenizer
 
         tokenizer = _load_tokenizer(path)
+        if tokenizer.vocab_size > config.vocab_size:
+            # ids past the embedding table would fail whole batches at run time, other clients' requests too
+            raise CheckpointError(
+                f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+                f"{config.vocab_size}; ids >= {config.vocab_size} have no embedding (wrong tokenizer for these "
+                f"weights?)")
     return LoadedCheckpoint(model=model, config=config, task=task, tokenizer=tokenizer, path=path)
 
 

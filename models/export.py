@@ -24,16 +24,18 @@ recorded per case against a tolerance of 1e-4.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -44,7 +46,8 @@ from .config import CONFIG_NAME, DebertaConfig
 
 GRAPH_NAME = "model.onnx"
 REPORT_NAME = "export_report.json"
-EXPORT_VERSION = "1"  # part of the cache key: bump when the exported graph's layout changes
+EXPORT_VERSION = "1"
+METADATA_CHECKPOINT = "relserve.checkpoint_sha256"  # graph metadata: the hash of the checkpoint it came from  # part of the cache key: bump when the exported graph's layout changes
 DEFAULT_OPSET = 18
 PARITY_TOLERANCE = 1e-4
 SAMPLE_BATCH, SAMPLE_LENGTH = 2, 8
@@ -119,7 +122,7 @@ def graph_opset(proto) -> int:
 
 
 def dynamo_export(module: nn.Module, sample: dict[str, torch.Tensor], outputs: list[str], dynamic: dict, opset: int,
-                  table: dict | None = None):
+                  table: dict | None = None, metadata: dict[str, str] | None = None):
     """``torch.onnx.export(dynamo=True)`` of ``module(**sample)`` with our custom-op translations (plus
     ``table``), exporter chatter silenced, model-local functions added; returns the ModelProto.
 
@@ -149,6 +152,9 @@ def dynamo_export(module: nn.Module, sample: dict[str, torch.Tensor], outputs: l
         raise ValueError(f"the exporter produced opset {graph_opset(proto)}, not the requested {opset} "
                          f"(some op has no opset-{opset} form); use --opset {graph_opset(proto)}")
     onnx_ops.add_local_functions(proto)
+    for key, value in (metadata or {}).items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = key, str(value)
     got = [i.name for i in proto.graph.input]
     if got != list(sample):
         raise RuntimeError(f"exported graph inputs {got} differ from the declared {list(sample)}")
@@ -163,8 +169,10 @@ def export_model(
     *,
     opset: int = DEFAULT_OPSET,
     check: bool = True,
+    metadata: dict[str, str] | None = None,
 ):
     """Export ``model`` (ours, any device; exported on CPU in float32) to ``path``; returns the ModelProto.
+    ``metadata`` goes into the graph's ``metadata_props``.
 
     Raises:
         ValueError: an opset outside 17..newest (see :func:`dynamo_export`).
@@ -183,7 +191,7 @@ def export_model(
     batch = torch.export.Dim("batch", min=1, max=1 << 16)
     seq = torch.export.Dim("sequence", min=1, max=_max_length(config) or (1 << 16))
     dynamic = {name: {0: batch, 1: seq} for name in inputs}
-    proto = dynamo_export(wrapper, sample, outputs, dynamic, opset)
+    proto = dynamo_export(wrapper, sample, outputs, dynamic, opset, metadata=metadata)
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     onnx.save_model(proto, path)
@@ -319,64 +327,86 @@ def checkpoint_hash(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+@contextlib.contextmanager
+def staged_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
+    """A fresh hidden folder inside ``out_dir`` to export into. Its files replace those of ``out_dir`` only when
+    the block succeeds, so a failed export (an error, a parity failure) never leaves a mix of old and new graphs
+    that a server would pick up; on failure the folder stays for inspection (error messages name it)."""
+    final = Path(out_dir)
+    final.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=final))
+    yield tmp
+    for f in sorted(tmp.iterdir()):
+        os.replace(f, final / f.name)
+    tmp.rmdir()
+
+
 def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET,
                       parity: bool = True, progress: Callable[[str], None] | None = print,
                       loaded=None) -> ExportResult:
     """Load a checkpoint, export it to ``out_dir/model.onnx``, check it, write ``export_report.json``.
 
-    ``loaded`` may pass an already loaded ``LoadedCheckpoint`` (the server's ONNX backend does).
+    The graph records the checkpoint's hash (:func:`checkpoint_hash`) in its metadata
+    (``relserve.checkpoint_sha256``), so a server can tell whose weights it carries. Files are written through
+    :func:`staged_dir`. ``loaded`` may pass an already loaded ``LoadedCheckpoint`` (the server's ONNX backend
+    does).
 
     Raises:
         relserve.models.checkpoint.CheckpointError: the checkpoint cannot be loaded.
-        RuntimeError: the parity check failed (the graph and report are still written).
+        ValueError: an opset outside what the exporter can produce.
+        RuntimeError: the parity check failed (graph and report are left in the staging folder it names;
+            ``out_dir`` is unchanged).
     """
     from .checkpoint import load_checkpoint
 
+    check_opset(opset)
     say = progress or (lambda _m: None)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if loaded is None:
         say(f"[1/4] loading {checkpoint_dir}")
         loaded = load_checkpoint(checkpoint_dir, load_tokenizer=False)
     model, config, task = loaded.model, loaded.config, loaded.task
     model = model.to("cpu", torch.float32).eval()
-    say(f"[2/4] exporting {task} model ({config.num_hidden_layers} layers, hidden {config.hidden_size}) "
-        f"with the dynamo exporter, opset {opset}")
-    t1 = time.perf_counter()
-    graph = out / GRAPH_NAME
-    proto = export_model(model, config, task, graph, opset=opset, check=False)
-    t_export = time.perf_counter() - t1
-    say(f"[3/4] onnx.checker.check_model(full_check=True) on {graph}")
-    import onnx
+    digest = checkpoint_hash(checkpoint_dir)
+    with staged_dir(out_dir) as out:
+        say(f"[2/4] exporting {task} model ({config.num_hidden_layers} layers, hidden {config.hidden_size}) "
+            f"with the dynamo exporter, opset {opset}")
+        t1 = time.perf_counter()
+        graph = out / GRAPH_NAME
+        proto = export_model(model, config, task, graph, opset=opset, check=False,
+                             metadata={METADATA_CHECKPOINT: digest})
+        t_export = time.perf_counter() - t1
+        say(f"[3/4] onnx.checker.check_model(full_check=True) on {GRAPH_NAME}")
+        import onnx
 
-    onnx.checker.check_model(os.fspath(graph), full_check=True)
-    inputs, outputs = graph_io_names(config, task)
-    custom = sorted({n.op_type for n in proto.graph.node if n.domain == onnx_ops.DOMAIN})
-    report: dict[str, Any] = {
-        "checkpoint": os.fspath(checkpoint_dir),
-        "checkpoint_sha256": checkpoint_hash(checkpoint_dir),
-        "export_version": EXPORT_VERSION,
-        "task": task,
-        "opset": opset,
-        "inputs": inputs,
-        "outputs": outputs,
-        "dynamic_axes": {"batch": 0, "sequence": 1},
-        "custom_domain": onnx_ops.DOMAIN,
-        "custom_ops": custom,
-        "graph_bytes": graph.stat().st_size,
-        "export_seconds": round(t_export, 2),
-    }
-    if parity:
-        say("[4/4] parity against torch (ONNX Runtime CPU, portable custom-op functions)")
-        report["parity"] = parity_report(graph, model, config, task, progress=say)
-    report["total_seconds"] = round(time.perf_counter() - t0, 2)
-    (out / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    say(f"wrote {graph} and {out / REPORT_NAME}")
-    if parity and not report["parity"]["passed"]:
-        raise RuntimeError(f"exported graph {graph} differs from torch by more than {PARITY_TOLERANCE}; "
-                           f"see {out / REPORT_NAME}")
-    return ExportResult(graph=os.fspath(graph), inputs=inputs, outputs=outputs, report=report)
+        onnx.checker.check_model(os.fspath(graph), full_check=True)
+        inputs, outputs = graph_io_names(config, task)
+        custom = sorted({n.op_type for n in proto.graph.node if n.domain == onnx_ops.DOMAIN})
+        report: dict[str, Any] = {
+            "checkpoint": os.fspath(checkpoint_dir),
+            "checkpoint_sha256": digest,
+            "export_version": EXPORT_VERSION,
+            "task": task,
+            "opset": opset,
+            "inputs": inputs,
+            "outputs": outputs,
+            "dynamic_axes": {"batch": 0, "sequence": 1},
+            "custom_domain": onnx_ops.DOMAIN,
+            "custom_ops": custom,
+            "graph_bytes": graph.stat().st_size,
+            "export_seconds": round(t_export, 2),
+        }
+        if parity:
+            say("[4/4] parity against torch (ONNX Runtime CPU, portable custom-op functions)")
+            report["parity"] = parity_report(graph, model, config, task, progress=say)
+        report["total_seconds"] = round(time.perf_counter() - t0, 2)
+        (out / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        if parity and not report["parity"]["passed"]:
+            raise RuntimeError(f"exported graph differs from torch by more than {PARITY_TOLERANCE}; {out_dir} is "
+                               f"unchanged, the graph and {REPORT_NAME} are in {out}")
+    final = Path(out_dir)
+    say(f"wrote {final / GRAPH_NAME} and {final / REPORT_NAME}")
+    return ExportResult(graph=os.fspath(final / GRAPH_NAME), inputs=inputs, outputs=outputs, report=report)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -426,6 +456,11 @@ def run(args: argparse.Namespace) -> int:
     if Path(args.out).exists() and not Path(args.out).is_dir():
         print(f"relserve export: OUT_DIR {args.out!r} exists and is not a directory; give a directory "
               f"(model.onnx and export_report.json are written inside it)", file=sys.stderr)
+        return 2
+    try:
+        check_opset(args.opset)
+    except ValueError as exc:
+        print(f"relserve export: {exc}", file=sys.stderr)
         return 2
     try:
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -193,18 +193,18 @@ def _max_source_length(model: RNNSearch) -> int:
 
 
 def _export(module: nn.Module, sample: dict[str, Tensor], outputs: list[str], dynamic: dict, opset: int,
-            path: Path):
+            path: Path, metadata: dict[str, str] | None):
     import onnx
 
     from .export import dynamo_export
 
-    proto = dynamo_export(module, sample, outputs, dynamic, opset, _gru_translation())
+    proto = dynamo_export(module, sample, outputs, dynamic, opset, _gru_translation(), metadata)
     onnx.save_model(proto, os.fspath(path))
     return proto
 
 
 def export_translation_model(model: RNNSearch, out_dir: str | os.PathLike, *, opset: int = 18,
-                             check: bool = True) -> dict[str, Any]:
+                             check: bool = True, metadata: dict[str, str] | None = None) -> dict[str, Any]:
     """Export ``model`` (moved to CPU float32, eval) to ``out_dir/encoder.onnx`` and ``out_dir/decoder_step.onnx``.
 
     Returns ``{"encoder": ModelProto, "decoder_step": ModelProto}``.
@@ -231,7 +231,7 @@ def export_translation_model(model: RNNSearch, out_dir: str | os.PathLike, *, op
     S = torch.export.Dim("source_length", min=1, max=_max_source_length(model))
     encoder = EncoderGraph(model).eval()
     enc_proto = _export(encoder, {"src_ids": ids, "src_mask": mask}, ENCODER_OUTPUTS,
-                        {"src_ids": {0: B, 1: S}, "src_mask": {0: B, 1: S}}, opset, out / ENCODER_GRAPH)
+                        {"src_ids": {0: B, 1: S}, "src_mask": {0: B, 1: S}}, opset, out / ENCODER_GRAPH, metadata)
     with torch.no_grad():
         annotations, projected, init_state = encoder(ids, mask)
     R = torch.export.Dim("sources", min=1, max=1 << 16)
@@ -243,7 +243,8 @@ def export_translation_model(model: RNNSearch, out_dir: str | os.PathLike, *, op
     }
     dynamic = {"annotations": {0: R, 1: S}, "projected_annotations": {0: R, 1: S}, "src_mask": {0: R, 1: S},
                "source_index": {0: N}, "prev_tokens": {0: N}, "prev_hidden": {0: N}}
-    dec_proto = _export(DecoderStepGraph(model).eval(), sample, DECODER_OUTPUTS, dynamic, opset, out / DECODER_GRAPH)
+    dec_proto = _export(DecoderStepGraph(model).eval(), sample, DECODER_OUTPUTS, dynamic, opset, out / DECODER_GRAPH,
+                        metadata)
     if check:
         for name in (ENCODER_GRAPH, DECODER_GRAPH):
             onnx.checker.check_model(os.fspath(out / name), full_check=True)
@@ -338,59 +339,69 @@ def export_translation_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: st
 
     Raises:
         relserve.models.translation_checkpoint.TranslationCheckpointError: the checkpoint cannot be loaded.
-        RuntimeError: the parity check failed (graphs and report are still written).
+        ValueError: an opset outside what the exporter can produce.
+        RuntimeError: the parity check failed (graphs and report are left in the staging folder it names;
+            ``out_dir`` is unchanged).
+
+    Both graphs record the checkpoint hash in their metadata (``relserve.checkpoint_sha256``); files are
+    written through :func:`relserve.models.export.staged_dir`.
     """
     import onnx
 
-    from .export import REPORT_NAME, checkpoint_hash, EXPORT_VERSION
+    from .export import EXPORT_VERSION, METADATA_CHECKPOINT, REPORT_NAME, check_opset, checkpoint_hash, staged_dir
     from .ort_rnnsearch import OrtRNNSearch
     from .translation_checkpoint import encoder_kind, load_translation_checkpoint
 
+    check_opset(opset)
     say = progress or (lambda _m: None)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if loaded is None:
         say(f"[1/4] loading {checkpoint_dir}")
         loaded = load_translation_checkpoint(checkpoint_dir)
     model = loaded[0].to("cpu", torch.float32).eval()
     kind = encoder_kind(model)
-    say(f"[2/4] exporting the RNNsearch encoder ({kind}) and decoder step with the dynamo exporter, opset {opset}")
-    t1 = time.perf_counter()
-    protos = export_translation_model(model, out, opset=opset, check=False)
-    t_export = time.perf_counter() - t1
-    say(f"[3/4] onnx.checker.check_model(full_check=True) on {ENCODER_GRAPH} and {DECODER_GRAPH}")
-    for name in (ENCODER_GRAPH, DECODER_GRAPH):
-        onnx.checker.check_model(os.fspath(out / name), full_check=True)
+    digest = checkpoint_hash(checkpoint_dir)
+    with staged_dir(out_dir) as out:
+        say(f"[2/4] exporting the RNNsearch encoder ({kind}) and decoder step with the dynamo exporter, "
+            f"opset {opset}")
+        t1 = time.perf_counter()
+        protos = export_translation_model(model, out, opset=opset, check=False,
+                                          metadata={METADATA_CHECKPOINT: digest})
+        t_export = time.perf_counter() - t1
+        say(f"[3/4] onnx.checker.check_model(full_check=True) on {ENCODER_GRAPH} and {DECODER_GRAPH}")
+        for name in (ENCODER_GRAPH, DECODER_GRAPH):
+            onnx.checker.check_model(os.fspath(out / name), full_check=True)
 
-    def ops(proto) -> list[str]:
-        return sorted({f"{n.domain or 'ai.onnx'}::{n.op_type}" for n in proto.graph.node})
+        def ops(proto) -> list[str]:
+            return sorted({f"{n.domain or 'ai.onnx'}::{n.op_type}" for n in proto.graph.node})
 
-    report: dict[str, Any] = {
-        "checkpoint": os.fspath(checkpoint_dir),
-        "checkpoint_sha256": checkpoint_hash(checkpoint_dir),
-        "export_version": EXPORT_VERSION,
-        "task": "translation",
-        "encoder_type": kind,
-        "opset": opset,
-        "graphs": {
-            "encoder": {"file": ENCODER_GRAPH, "inputs": ENCODER_INPUTS, "outputs": ENCODER_OUTPUTS,
-                        "dynamic_axes": {"batch": 0, "source_length": 1}, "ops": ops(protos["encoder"]),
-                        "bytes": (out / ENCODER_GRAPH).stat().st_size},
-            "decoder_step": {"file": DECODER_GRAPH, "inputs": DECODER_INPUTS, "outputs": DECODER_OUTPUTS,
-                             "dynamic_axes": {"sources": 0, "source_length": 1, "hypotheses": 0},
-                             "ops": ops(protos["decoder_step"]), "bytes": (out / DECODER_GRAPH).stat().st_size},
-        },
-        "custom_domain": onnx_ops.DOMAIN,
-        "export_seconds": round(t_export, 2),
-    }
-    if parity:
-        say("[4/4] parity against torch (ONNX Runtime CPU)")
-        ort_model = OrtRNNSearch(out, model.config)
-        report["parity"] = translation_parity_report(ort_model, model, progress=say)
-    report["total_seconds"] = round(time.perf_counter() - t0, 2)
-    (out / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    say(f"wrote {out / ENCODER_GRAPH}, {out / DECODER_GRAPH} and {out / REPORT_NAME}")
-    if parity and not report["parity"]["passed"]:
-        raise RuntimeError(f"exported graphs in {out} differ from torch; see {out / REPORT_NAME}")
+        report: dict[str, Any] = {
+            "checkpoint": os.fspath(checkpoint_dir),
+            "checkpoint_sha256": digest,
+            "export_version": EXPORT_VERSION,
+            "task": "translation",
+            "encoder_type": kind,
+            "opset": opset,
+            "graphs": {
+                "encoder": {"file": ENCODER_GRAPH, "inputs": ENCODER_INPUTS, "outputs": ENCODER_OUTPUTS,
+                            "dynamic_axes": {"batch": 0, "source_length": 1}, "ops": ops(protos["encoder"]),
+                            "bytes": (out / ENCODER_GRAPH).stat().st_size},
+                "decoder_step": {"file": DECODER_GRAPH, "inputs": DECODER_INPUTS, "outputs": DECODER_OUTPUTS,
+                                 "dynamic_axes": {"sources": 0, "source_length": 1, "hypotheses": 0},
+                                 "ops": ops(protos["decoder_step"]), "bytes": (out / DECODER_GRAPH).stat().st_size},
+            },
+            "custom_domain": onnx_ops.DOMAIN,
+            "export_seconds": round(t_export, 2),
+        }
+        if parity:
+            say("[4/4] parity against torch (ONNX Runtime CPU)")
+            ort_model = OrtRNNSearch(out, model.config)
+            report["parity"] = translation_parity_report(ort_model, model, progress=say)
+        report["total_seconds"] = round(time.perf_counter() - t0, 2)
+        (out / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        if parity and not report["parity"]["passed"]:
+            raise RuntimeError(f"exported graphs differ from torch; {out_dir} is unchanged, the graphs and "
+                               f"{REPORT_NAME} are in {out}")
+    final = Path(out_dir)
+    say(f"wrote {final / ENCODER_GRAPH}, {final / DECODER_GRAPH} and {final / REPORT_NAME}")
     return report

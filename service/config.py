@@ -232,6 +232,9 @@ def _model_from_mapping(raw: Mapping[str, Any], base_dir: Path, where: str) -> M
         path = base_dir / path
     values["path"] = path
     if values.get("onnx_cache_dir") is not None:
+        if not str(values["onnx_cache_dir"]).strip():
+            raise ConfigError(f"{where}: onnx_cache_dir is empty; give a directory, or leave the key out for the "
+                              f"default cache")
         cache = Path(values["onnx_cache_dir"]).expanduser()
         values["onnx_cache_dir"] = cache if cache.is_absolute() else base_dir / cache
     return validate_model(ModelConfig(**values))

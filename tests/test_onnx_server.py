@@ -28,6 +28,15 @@ from relserve.service.runner import build_runner  # noqa: E402
 CONTEXT = "Ann lives in Berlin and works as a baker. Her brother Tom lives in Paris. " * 8
 
 
+def _strip_origin(graph):
+    """Drop the checkpoint hash ``relserve export`` writes into a graph's metadata (a hand-made graph)."""
+    import onnx
+
+    proto = onnx.load(graph)
+    del proto.metadata_props[:]
+    onnx.save(proto, graph)
+
+
 def _tiny(vocab_size: int, qa: bool = False) -> DebertaConfig:
     labels = {} if qa else dict(num_labels=3, id2label={"0": "a", "1": "b", "2": "c"})
     return DebertaConfig.from_dict(dict(
@@ -124,8 +133,11 @@ def test_graph_of_other_weights_is_refused(srv, checkpoints, cache_dir, tmp_path
     shutil.copytree(checkpoints["cls-other"], ckpt)
     shutil.copyfile(cache_dir / checkpoint_hash(checkpoints["cls"]) / "model.onnx", ckpt / "model.onnx")
     be = OnnxBackend(ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx", max_seq_len=64))
+    with pytest.raises(GraphMismatch, match=r"exported from another checkpoint .*relserve export"):
+        be.load()  # the hash in the graph's metadata
+    _strip_origin(ckpt / "model.onnx")
     with pytest.raises(GraphMismatch, match=r"differs from the torch checkpoint .* refusing to serve"):
-        be.load()
+        OnnxBackend(ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx", max_seq_len=64)).load()
     # the graph of the right weights, placed beside the checkpoint, is used without an export
     shutil.copyfile(cache_dir / checkpoint_hash(checkpoints["cls"]) / "model.onnx", ckpt / "model.onnx")
     be = OnnxBackend(ModelConfig(name="m", path=checkpoints["cls"], device="cpu", backend="onnx", max_seq_len=64,
@@ -175,6 +187,7 @@ def test_graph_provenance_vocabulary_wide_check_and_cache_repair(checkpoints, ca
     save_file(sd, ckpt / "model.safetensors", metadata={"format": "pt"})
     (ckpt / "onnx").mkdir()
     shutil.copyfile(entry / "model.onnx", ckpt / "onnx" / "model.onnx")
+    _strip_origin(ckpt / "onnx" / "model.onnx")  # a graph that does not say where it came from
     with pytest.raises(GraphMismatch, match="refusing to serve"):
         OnnxBackend(ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx", max_seq_len=64)).load()
     # 3. a corrupted cache entry is exported again instead of failing every restart

@@ -58,6 +58,13 @@ def exported(checkpoints, tmp_path_factory):
     return out
 
 
+def _strip_origin(graph):
+    """Drop the checkpoint hash ``relserve export`` writes into a graph's metadata (a hand-made graph)."""
+    proto = onnx.load(graph)
+    del proto.metadata_props[:]
+    onnx.save(proto, graph)
+
+
 def _sources(model, lengths, seed):
     rng = np.random.default_rng(seed)
     cfg = model.config
@@ -244,8 +251,13 @@ def test_graphs_of_other_weights_are_refused(checkpoints, exported, tmp_path):
     # the export report beside the graphs names another checkpoint hash
     with pytest.raises(GraphMismatch, match=r"'m'.* exported from another checkpoint .*relserve export"):
         OnnxTranslationBackend(cfg).load()
-    # without a report, the load-time parity check catches it
+    # without a report, the hash in the graphs' metadata
     (ckpt / "onnx" / "export_report.json").unlink()
+    with pytest.raises(GraphMismatch, match=r"encoder.onnx was exported from another checkpoint .*relserve export"):
+        OnnxTranslationBackend(cfg).load()
+    # graphs that do not say where they came from: the load-time parity check
+    for name in ("encoder.onnx", "decoder_step.onnx"):
+        _strip_origin(ckpt / "onnx" / name)
     with pytest.raises(GraphMismatch, match=r"differ from the torch checkpoint .* refusing to serve"):
         OnnxTranslationBackend(cfg).load()
     (ckpt / "onnx" / "decoder_step.onnx").unlink()
@@ -265,6 +277,8 @@ def test_parity_check_reads_the_whole_vocabulary(checkpoints, exported, tmp_path
     save_file(sd, ckpt / "model.safetensors", metadata={"format": "pt"})
     shutil.copytree(exported["bigru"], ckpt / "onnx")
     (ckpt / "onnx" / "export_report.json").unlink()
+    for name in ("encoder.onnx", "decoder_step.onnx"):
+        _strip_origin(ckpt / "onnx" / name)
     with pytest.raises(GraphMismatch, match="refusing to serve"):
         OnnxTranslationBackend(ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx")).load()
 
@@ -319,3 +333,31 @@ def test_translation_benchmark_runs_and_agrees(checkpoints, tmp_path):
     assert row["identical_beam_tokens"] and row["step_max_abs_diff"] < 1e-4 and row["encoder"] == "deberta"
     assert set(row["torch_over_ort"]) == {"encode", "step", "beam"} and all(v > 0 for v in row["torch_over_ort"].values())
     assert json.loads(out.read_text())["results"][0]["batch"] == 3
+
+
+def test_a_failed_export_leaves_out_dir_unchanged(checkpoints, exported, tmp_path, capsys):
+    """Opset 17 cannot express the decoder step (the exporter stays at 18): the export fails after writing a
+    graph, but only into its staging folder; the previous export in OUT_DIR is untouched."""
+    out = tmp_path / "out"
+    shutil.copytree(exported["bigru"], out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert export_main([str(checkpoints["bigru"]), str(out), "--opset", "17"]) == 1
+    assert "not the requested 17" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert [p.name.startswith(".export-") for p in out.iterdir() if p.is_dir()] == [True]
+
+
+def test_cache_and_config_edge_cases(checkpoints, tmp_path):
+    from relserve.service.config import load_config
+
+    cfg = ModelConfig(name="m", path=checkpoints["bigru"], device="cpu", backend="onnx", onnx_cache_dir=tmp_path / "c")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / checkpoint_hash(checkpoints["bigru"])).write_text("a stray file where the entry belongs")
+    OnnxTranslationBackend(cfg).load()
+    assert (tmp_path / "c" / checkpoint_hash(checkpoints["bigru"]) / "encoder.onnx").is_file()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="onnx_cache_dir .* cannot be used as a directory"):
+        OnnxTranslationBackend(ModelConfig(name="m", path=checkpoints["bigru"], device="cpu", backend="onnx",
+                                           onnx_cache_dir=tmp_path / "file")).load()
+    with pytest.raises(ConfigError, match="onnx_cache_dir is empty"):
+        load_config(model_specs=[f"m={checkpoints['bigru']},backend=onnx,onnx_cache_dir="])

@@ -106,3 +106,18 @@ def test_runner_end_to_end_through_batcher(checkpoints):
     assert len(items_a[0].labels) == 3 and abs(sum(s for _, s in items_a[0].labels) - 1) < 1e-5
     assert [len(i.labels) for i in items_b] == [2, 2]
     assert timings.units == 2 and timings.inference_s > 0
+
+
+def test_tokenizer_larger_than_the_embedding_table_is_refused(unigram_tokenizer_dir, tmp_path):
+    """Ids past vocab_size would fail whole batches (other clients' requests too) at run time: refuse at load."""
+    import json
+
+    from relserve.models.checkpoint import CheckpointError, load_checkpoint
+
+    vocab = len(json.loads((unigram_tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
+    small = _tiny(vocab - 10)
+    ckpt = save_checkpoint(DebertaForSequenceClassification(small), small, tmp_path / "ckpt",
+                           tokenizer_dir=unigram_tokenizer_dir)
+    with pytest.raises(CheckpointError, match=rf"tokenizer has {vocab} tokens but the model's vocab_size is {vocab - 10}"):
+        load_checkpoint(ckpt)
+    assert load_checkpoint(ckpt, load_tokenizer=False).config.vocab_size == vocab - 10

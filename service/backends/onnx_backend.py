@@ -86,10 +86,10 @@ def provider_device(providers: list, provider: str) -> tuple[str, str]:
 
 def _export_into(cache: Path, export: Callable[[Path], None]) -> None:
     """``export(tmp)`` into a temporary directory renamed to ``cache`` (a crashed export leaves nothing)."""
-    cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=cache.name[:16] + ".", dir=cache.parent))
     try:
         export(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache volume from other users
         try:
             os.replace(tmp, cache)
         except OSError:  # another process won the race: use its graphs
@@ -115,25 +115,41 @@ def _check_report(config: ModelConfig, d: Path, digest: str) -> None:
             f"or config, or an older export format); re-export them with `relserve export {config.path} {d}`")
 
 
-def _open(config: ModelConfig, d: Path, open_and_check: Callable[[Path], T], advice: str) -> T:
+def check_graph_origin(config: ModelConfig, session, graph: Path, digest: str) -> None:
+    """Refuse a graph whose metadata (``relserve.checkpoint_sha256``, written by ``relserve export``) names
+    another checkpoint: exact, whatever the weights differ in. Graphs without it rely on the parity check."""
+    from relserve.models.export import METADATA_CHECKPOINT
+
+    recorded = session.get_modelmeta().custom_metadata_map.get(METADATA_CHECKPOINT)
+    if recorded and recorded != digest:
+        raise GraphMismatch(
+            f"model {config.name!r}: graph {graph} was exported from another checkpoint (its metadata records "
+            f"sha256 {recorded[:12]}..., this checkpoint is {digest[:12]}...: other weights or config, or an "
+            f"older export format)")
+
+
+def _open(config: ModelConfig, d: Path, open_and_check: Callable[[Path, str], T], digest: str, advice: str) -> T:
     try:
-        return open_and_check(d)
-    except (GraphMismatch, ConfigError):
+        return open_and_check(d, digest)
+    except ConfigError:
         raise
+    except GraphMismatch as exc:
+        raise GraphMismatch(f"{exc}; {advice}") from exc
     except Exception as exc:  # ORT: unreadable protobuf, shapes that do not fit the checkpoint, ...
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        text = " ".join(str(exc).split())[:600] or type(exc).__name__
         raise GraphMismatch(f"model {config.name!r}: the ONNX graphs in {d} do not work with checkpoint "
-                            f"{config.path} ({type(exc).__name__}: {first}); {advice}") from exc
+                            f"{config.path} ({type(exc).__name__}: {text}); {advice}") from exc
 
 
 def load_graphs(config: ModelConfig, names: Sequence[str], export: Callable[[Path], None],
-                open_and_check: Callable[[Path], T]) -> tuple[T, Path]:
+                open_and_check: Callable[[Path, str], T]) -> tuple[T, Path]:
     """Find a model's ONNX graphs (``names``, all in one directory) and return (``open_and_check(dir)``, dir).
 
     Where: the checkpoint directory, its ``onnx/`` folder (what ``relserve export CKPT CKPT/onnx`` writes),
     else ``<onnx_cache_dir>/<checkpoint sha256>/``, filled by ``export(tmp_dir)`` on first load.
-    ``open_and_check`` opens the sessions and raises :class:`GraphMismatch` when the graphs do not reproduce
-    the checkpoint; any other error there is re-raised as a GraphMismatch naming the model and the directory.
+    ``open_and_check(dir, checkpoint_sha256)`` opens the sessions, calls :func:`check_graph_origin` and raises
+    :class:`GraphMismatch` when the graphs do not reproduce the checkpoint; any other error there is re-raised
+    as a GraphMismatch naming the model and the directory; every GraphMismatch gets the fix appended.
 
     Graphs beside the checkpoint are used as they are: a directory missing one of ``names``, or whose
     ``export_report.json`` records another checkpoint hash, is refused with advice to re-export. A cache entry
@@ -145,26 +161,35 @@ def load_graphs(config: ModelConfig, names: Sequence[str], export: Callable[[Pat
     digest = checkpoint_hash(path)
     for d in (path, path / "onnx"):
         if (d / names[0]).is_file():
-            log.info("model %r: using the exported graphs in %s", config.name, d)
             advice = f"re-export them with `relserve export {path} {d}`"
             missing = [n for n in names if not (d / n).is_file()]
             if missing:
                 raise GraphMismatch(f"model {config.name!r}: {d} has {names[0]} but not {', '.join(missing)}; "
                                     f"{advice}")
             _check_report(config, d, digest)
-            return _open(config, d, open_and_check, advice), d
-    cache = config.resolved_onnx_cache_dir() / digest
+            result = _open(config, d, open_and_check, digest, advice)
+            log.info("model %r: using the exported graphs in %s", config.name, d)
+            return result, d
+    root = config.resolved_onnx_cache_dir()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"model {config.name!r}: onnx_cache_dir {str(root)!r} cannot be used as a directory "
+                          f"({exc.strerror or exc})") from exc
+    cache = root / digest
     for attempt in (1, 2):
         if not all((cache / n).is_file() for n in names):
-            if cache.exists():
+            if cache.is_dir():
                 log.warning("model %r: export cache entry %s is incomplete; exporting again", config.name, cache)
                 shutil.rmtree(cache, ignore_errors=True)
+            elif cache.exists() or cache.is_symlink():
+                cache.unlink()  # a stray file where the entry belongs
             log.info("model %r: no ONNX graphs yet; exporting %s to %s", config.name, path, cache)
             _export_into(cache, export)
-        else:
-            log.info("model %r: using the cached graphs in %s", config.name, cache)
         try:
-            return _open(config, cache, open_and_check, f"delete {cache} to export again"), cache
+            result = _open(config, cache, open_and_check, digest, f"delete {cache} to export again")
+            log.info("model %r: using the cached graphs in %s", config.name, cache)
+            return result, cache
         except GraphMismatch as exc:
             if attempt == 2:
                 raise
@@ -238,11 +263,12 @@ class OnnxBackend:
             export_checkpoint(self.config.path, tmp, parity=False, loaded=loaded,
                               progress=lambda m: log.info("model %r: %s", name, m))
 
-        def open_and_check(d: Path) -> str | None:
+        def open_and_check(d: Path, digest: str) -> str | None:
             self.graph = d / GRAPH_NAME
             self.session, lib = open_with_native_fallback(name, lambda native: make_session(
                 self.graph, providers=providers, intra_op_threads=self.config.onnx_intra_op_threads,
                 graph_optimization=self.config.onnx_graph_optimization, native_library=native))
+            check_graph_origin(self.config, self.session, self.graph, digest)
             self.provider = self.session.get_providers()[0]
             self.device, device = provider_device(providers, self.provider)
             self._inputs = [i.name for i in self.session.get_inputs()]
@@ -251,7 +277,7 @@ class OnnxBackend:
             if self._inputs != want_in or self._outputs != want_out:
                 raise GraphMismatch(f"model {name!r}: graph {self.graph} has inputs {self._inputs} and outputs "
                                     f"{self._outputs}, but the checkpoint's {loaded.task} model needs {want_in} -> "
-                                    f"{want_out}; re-export it with `relserve export`")
+                                    f"{want_out}")
             self.meta = ModelMeta(
                 task=loaded.task, family="deberta-v2", backend=self.name, device=device, dtype="float32",
                 tokenizer=tok, labels=labels, problem_type=cfg.problem_type, max_positions=max_positions,
@@ -298,7 +324,7 @@ class OnnxBackend:
             raise GraphMismatch(
                 f"model {self.config.name!r}: ONNX graph {self.graph} differs from the torch checkpoint "
                 f"{self.config.path} by {worst:.3g} on the warm-up batch (tolerance {self.config.onnx_parity_tolerance}); "
-                f"refusing to serve it. Delete the graph to re-export it, or run `relserve export` again")
+                f"refusing to serve it")
 
     # -------------------------------------------------------------- contract
 

@@ -19,7 +19,8 @@ import torch
 
 from ..errors import ConfigError
 from . import TASK_TRANSLATION, ModelMeta
-from .onnx_backend import GraphMismatch, load_graphs, open_with_native_fallback, provider_device, select_providers
+from .onnx_backend import (GraphMismatch, check_graph_origin, load_graphs, open_with_native_fallback, provider_device,
+                           select_providers)
 from .translation_torch import TorchTranslationBackend
 
 log = logging.getLogger(__name__)
@@ -51,11 +52,13 @@ class OnnxTranslationBackend(TorchTranslationBackend):
             export_translation_checkpoint(self.config.path, tmp, parity=False, loaded=loaded,
                                           progress=lambda m: log.info("model %r: %s", name, m))
 
-        def open_and_check(d: Path) -> str | None:
+        def open_and_check(d: Path, digest: str) -> str | None:
             self.graph_dir = d
             model, lib = open_with_native_fallback(name, lambda native: OrtRNNSearch(
                 d, model_config, providers=providers, intra_op_threads=self.config.onnx_intra_op_threads,
                 graph_optimization=self.config.onnx_graph_optimization, native_library=native))
+            check_graph_origin(self.config, model.encoder_session, d / ENCODER_GRAPH, digest)
+            check_graph_origin(self.config, model.decoder_session, d / DECODER_GRAPH, digest)
             self.device, self._device_label = provider_device(providers, model.providers[0])
             model.device = torch.device(self.device)  # where the session really runs (ORT may fall back to CPU)
             self.model, self.model_config, self.tokenizer = model, model_config, tokenizer
@@ -106,5 +109,4 @@ class OnnxTranslationBackend(TorchTranslationBackend):
             raise GraphMismatch(
                 f"model {self.config.name!r}: ONNX graphs in {self.graph_dir} differ from the torch checkpoint "
                 f"{self.config.path} by {worst:.3g} on the warm-up sources (tolerance "
-                f"{self.config.onnx_parity_tolerance}); refusing to serve them. Delete the graphs to re-export, "
-                f"or run `relserve export` again")
+                f"{self.config.onnx_parity_tolerance}); refusing to serve them")
