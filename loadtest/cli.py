@@ -100,6 +100,20 @@ def default_metrics_url(target: str) -> str:
     return f"http://{host}:{DEFAULT_METRICS_PORT}/metrics"
 
 
+async def _settled(url: str | None, before: promscrape.Snapshot, after: promscrape.Snapshot | None,
+                   models: list[str], sent: int, timeout: float = 2.0) -> promscrape.Snapshot | None:
+    """Scrape again (up to ``timeout`` s) until the server has counted all ``sent`` requests: it counts a
+    request just after sending its reply, so a scrape right after the last reply can miss the last few."""
+    end = time.monotonic() + timeout
+    while after is not None and time.monotonic() < end:
+        window = promscrape.window_summary(before, after, models=models)["models"]
+        if sum(v["requests"] for v in window.values()) >= sent:
+            break
+        await asyncio.sleep(0.05)
+        after = await asyncio.to_thread(_scrape, url)
+    return after
+
+
 def _scrape(url: str | None) -> promscrape.Snapshot | None:
     if not url:
         return None
@@ -181,9 +195,12 @@ async def run_load(spec: LoadSpec) -> RunResult:
                 sampler.cancel()
                 await asyncio.gather(sampler, return_exceptions=True)
         after = await asyncio.to_thread(_scrape, spec.metrics_url)
+        models = sorted(set(used.values()))
+        if before is not None:
+            after = await _settled(spec.metrics_url, before, after, models, len(records))
         server = None
         if before is not None and after is not None:
-            server = promscrape.window_summary(before, after, models=sorted(set(used.values())))
+            server = promscrape.window_summary(before, after, models=models)
             rss1 = promscrape.rss_bytes(after)
             if rss1 is not None:
                 rss_samples.append((records.elapsed, rss1))

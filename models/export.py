@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -106,14 +107,27 @@ def _max_length(config: DebertaConfig) -> int | None:
 _EXPORTER_LOGGERS = ("torch.onnx", "onnxscript", "onnx_ir")  # "torchvision is not installed", pass-by-pass INFO
 
 
-def check_opset(opset: int) -> None:
-    """Raises ``ValueError`` unless 17 <= ``opset`` <= the newest opset the installed onnx knows."""
+def max_opset() -> int:
+    """The newest opset both torch's exporter declares (``torch.onnx._constants.ONNX_MAX_OPSET``) and the
+    installed onnx knows; asking the exporter for more silently yields its own base opset."""
     import onnx
 
     top = onnx.defs.onnx_opset_version()
+    try:
+        from torch.onnx import _constants
+
+        top = min(top, int(_constants.ONNX_MAX_OPSET))
+    except (ImportError, AttributeError):  # pragma: no cover - a torch without the constant
+        pass
+    return top
+
+
+def check_opset(opset: int) -> None:
+    """Raises ``ValueError`` unless 17 <= ``opset`` <= :func:`max_opset`."""
+    top = max_opset()
     if not 17 <= opset <= top:
-        raise ValueError(f"opset {opset}: need 17..{top} (17 for LayerNormalization; {top} is the newest the "
-                         f"installed onnx package knows)")
+        raise ValueError(f"opset {opset}: need 17..{top} (17 for LayerNormalization; {top} is the newest torch's "
+                         f"exporter supports)")
 
 
 def graph_opset(proto) -> int:
@@ -327,18 +341,35 @@ def checkpoint_hash(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+class ExportParityError(RuntimeError):
+    """The exported graph(s) differ from torch beyond the tolerance; the staging folder is kept for inspection."""
+
+
+STAGING_PREFIX = ".export-"
+
+
 @contextlib.contextmanager
 def staged_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
     """A fresh hidden folder inside ``out_dir`` to export into. Its files replace those of ``out_dir`` only when
-    the block succeeds, so a failed export (an error, a parity failure) never leaves a mix of old and new graphs
-    that a server would pick up; on failure the folder stays for inspection (error messages name it)."""
+    the block succeeds, so a failed export never leaves a mix of old and new graphs that a server would pick
+    up. On :class:`ExportParityError` the folder stays for inspection (the error names it); on any other
+    failure it is removed. A successful export also removes folders left by earlier failed ones."""
     final = Path(out_dir)
     final.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=final))
-    yield tmp
+    tmp = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=final))
+    try:
+        yield tmp
+    except ExportParityError:
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     for f in sorted(tmp.iterdir()):
         os.replace(f, final / f.name)
     tmp.rmdir()
+    for old in final.glob(STAGING_PREFIX + "*"):
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET,
@@ -402,8 +433,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         report["total_seconds"] = round(time.perf_counter() - t0, 2)
         (out / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         if parity and not report["parity"]["passed"]:
-            raise RuntimeError(f"exported graph differs from torch by more than {PARITY_TOLERANCE}; {out_dir} is "
-                               f"unchanged, the graph and {REPORT_NAME} are in {out}")
+            raise ExportParityError(f"exported graph differs from torch by more than {PARITY_TOLERANCE}; {out_dir} "
+                                    f"is unchanged, the graph and {REPORT_NAME} are in {out}")
     final = Path(out_dir)
     say(f"wrote {final / GRAPH_NAME} and {final / REPORT_NAME}")
     return ExportResult(graph=os.fspath(final / GRAPH_NAME), inputs=inputs, outputs=outputs, report=report)
@@ -415,6 +446,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (>= 17, default {DEFAULT_OPSET})")
     parser.add_argument("--no-parity", action="store_true", help="skip the parity report against torch")
     return parser
+
+
+def _out_dir_problem(out: Path) -> str | None:
+    """Why ``out`` could not become a directory (nothing is created here), or None."""
+    p = out.absolute()
+    while not os.path.lexists(p):
+        p = p.parent
+    if p == out.absolute():
+        return None if p.is_dir() else "it exists and is not a directory"
+    if not p.is_dir():
+        return f"{p} is not a directory"
+    if not os.access(p, os.W_OK | os.X_OK):
+        return f"{p} is not writable"
+    return None
 
 
 def is_translation_checkpoint(path: str | os.PathLike) -> bool:
@@ -462,10 +507,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"relserve export: {exc}", file=sys.stderr)
         return 2
-    try:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        print(f"relserve export: cannot create OUT_DIR {args.out!r}: {exc.strerror or exc}", file=sys.stderr)
+    problem = _out_dir_problem(Path(args.out))
+    if problem:
+        print(f"relserve export: cannot create OUT_DIR {args.out!r}: {problem}", file=sys.stderr)
         return 2
     if is_translation_checkpoint(args.checkpoint):
         return _run_translation(args)

@@ -348,7 +348,8 @@ def export_translation_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: st
     """
     import onnx
 
-    from .export import EXPORT_VERSION, METADATA_CHECKPOINT, REPORT_NAME, check_opset, checkpoint_hash, staged_dir
+    from .export import (EXPORT_VERSION, METADATA_CHECKPOINT, REPORT_NAME, ExportParityError, check_opset,
+                         checkpoint_hash, staged_dir)
     from .ort_rnnsearch import OrtRNNSearch
     from .translation_checkpoint import encoder_kind, load_translation_checkpoint
 
@@ -400,8 +401,8 @@ def export_translation_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: st
         report["total_seconds"] = round(time.perf_counter() - t0, 2)
         (out / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         if parity and not report["parity"]["passed"]:
-            raise RuntimeError(f"exported graphs differ from torch; {out_dir} is unchanged, the graphs and "
-                               f"{REPORT_NAME} are in {out}")
+            raise ExportParityError(f"exported graphs differ from torch; {out_dir} is unchanged, the graphs and "
+                                    f"{REPORT_NAME} are in {out}")
     final = Path(out_dir)
     say(f"wrote {final / ENCODER_GRAPH}, {final / DECODER_GRAPH} and {final / REPORT_NAME}")
     return report

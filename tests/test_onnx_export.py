@@ -241,8 +241,11 @@ def test_export_opsets_and_out_dir_errors(tmp_path, capsys):
         assert result.report["opset"] == opset and result.report["parity"]["passed"]
         assert [o.version for o in graph.opset_import if o.domain == ""] == [opset]
         assert {o.version for f in graph.functions for o in f.opset_import if o.domain == ""} == {opset}
-    assert export_main([str(ckpt), str(tmp_path / "o99"), "--opset", "99"]) == 2
-    assert "opset 99: need 17.." in capsys.readouterr().err and not (tmp_path / "o99").exists()
+    for bad in ("99", "24", "16"):  # 24: beyond what torch's exporter declares (it would silently give 18)
+        assert export_main([str(ckpt), str(tmp_path / "o99"), "--opset", bad]) == 2
+        assert f"opset {bad}: need 17..23" in capsys.readouterr().err and not (tmp_path / "o99").exists()
+    assert export_main([str(tmp_path / "nothing"), str(tmp_path / "o-bad")]) == 2
+    assert not (tmp_path / "o-bad").exists()  # a bad checkpoint creates nothing
     meta = {p.key: p.value for p in onnx.load(tmp_path / "o20" / "model.onnx").metadata_props}
     assert meta["relserve.checkpoint_sha256"] == json.loads((tmp_path / "o20" / "export_report.json").read_text())[
         "checkpoint_sha256"]

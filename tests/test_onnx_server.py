@@ -127,7 +127,7 @@ def test_answer_equal_on_both_backends(srv):
         np.testing.assert_allclose([x.score for x in a.answers], [x.score for x in b.answers], atol=1e-4)
 
 
-def test_graph_of_other_weights_is_refused(srv, checkpoints, cache_dir, tmp_path):
+def test_graph_of_other_weights_is_refused(srv, checkpoints, cache_dir, tmp_path, caplog):
     """A model.onnx beside the checkpoint that was exported from other weights fails the load-time check."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(checkpoints["cls-other"], ckpt)
@@ -136,8 +136,15 @@ def test_graph_of_other_weights_is_refused(srv, checkpoints, cache_dir, tmp_path
     with pytest.raises(GraphMismatch, match=r"exported from another checkpoint .*relserve export"):
         be.load()  # the hash in the graph's metadata
     _strip_origin(ckpt / "model.onnx")
-    with pytest.raises(GraphMismatch, match=r"differs from the torch checkpoint .* refusing to serve"):
+    with caplog.at_level("WARNING"), pytest.raises(GraphMismatch, match=r"differs from the torch checkpoint .* refusing"):
         OnnxBackend(ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx", max_seq_len=64)).load()
+    assert "does not record which checkpoint it was exported from" in caplog.text
+    (ckpt / "model.onnx").unlink()
+    (ckpt / "onnx").mkdir()
+    (ckpt / "onnx" / "model.onnx").symlink_to(ckpt / "gone.onnx")  # dangling: not silently skipped
+    with pytest.raises(GraphMismatch, match="is not a readable file"):
+        OnnxBackend(ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx", max_seq_len=64)).load()
+    (ckpt / "onnx" / "model.onnx").unlink()
     # the graph of the right weights, placed beside the checkpoint, is used without an export
     shutil.copyfile(cache_dir / checkpoint_hash(checkpoints["cls"]) / "model.onnx", ckpt / "model.onnx")
     be = OnnxBackend(ModelConfig(name="m", path=checkpoints["cls"], device="cpu", backend="onnx", max_seq_len=64,

@@ -337,14 +337,13 @@ def test_translation_benchmark_runs_and_agrees(checkpoints, tmp_path):
 
 def test_a_failed_export_leaves_out_dir_unchanged(checkpoints, exported, tmp_path, capsys):
     """Opset 17 cannot express the decoder step (the exporter stays at 18): the export fails after writing a
-    graph, but only into its staging folder; the previous export in OUT_DIR is untouched."""
+    graph, but only into its staging folder, which is removed; the previous export in OUT_DIR is untouched."""
     out = tmp_path / "out"
     shutil.copytree(exported["bigru"], out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     assert export_main([str(checkpoints["bigru"]), str(out), "--opset", "17"]) == 1
     assert "not the requested 17" in capsys.readouterr().err
-    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
-    assert [p.name.startswith(".export-") for p in out.iterdir() if p.is_dir()] == [True]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # and no staging folder left behind
 
 
 def test_cache_and_config_edge_cases(checkpoints, tmp_path):
@@ -355,6 +354,13 @@ def test_cache_and_config_edge_cases(checkpoints, tmp_path):
     (tmp_path / "c" / checkpoint_hash(checkpoints["bigru"])).write_text("a stray file where the entry belongs")
     OnnxTranslationBackend(cfg).load()
     assert (tmp_path / "c" / checkpoint_hash(checkpoints["bigru"]) / "encoder.onnx").is_file()
+    entry = tmp_path / "c" / checkpoint_hash(checkpoints["bigru"])
+    shutil.rmtree(entry)
+    (tmp_path / "elsewhere").mkdir()
+    entry.symlink_to(tmp_path / "elsewhere")  # a link where the entry belongs: replaced by a real entry
+    OnnxTranslationBackend(cfg).load()
+    assert not entry.is_symlink() and (entry / "decoder_step.onnx").is_file()
+    assert oct((entry / "encoder.onnx").stat().st_mode & 0o777) == "0o644"
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="onnx_cache_dir .* cannot be used as a directory"):
         OnnxTranslationBackend(ModelConfig(name="m", path=checkpoints["bigru"], device="cpu", backend="onnx",

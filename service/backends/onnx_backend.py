@@ -89,7 +89,9 @@ def _export_into(cache: Path, export: Callable[[Path], None]) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=cache.name[:16] + ".", dir=cache.parent))
     try:
         export(tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache volume from other users
+        for f in tmp.rglob("*"):  # readable by other users of a shared cache volume, whatever the umask
+            os.chmod(f, 0o755 if f.is_dir() else 0o644)
+        os.chmod(tmp, 0o755)
         try:
             os.replace(tmp, cache)
         except OSError:  # another process won the race: use its graphs
@@ -121,7 +123,10 @@ def check_graph_origin(config: ModelConfig, session, graph: Path, digest: str) -
     from relserve.models.export import METADATA_CHECKPOINT
 
     recorded = session.get_modelmeta().custom_metadata_map.get(METADATA_CHECKPOINT)
-    if recorded and recorded != digest:
+    if not recorded:
+        log.warning("model %r: graph %s does not record which checkpoint it was exported from; only the load-time "
+                    "parity check guards it (re-export with `relserve export` to record it)", config.name, graph)
+    elif recorded != digest:
         raise GraphMismatch(
             f"model {config.name!r}: graph {graph} was exported from another checkpoint (its metadata records "
             f"sha256 {recorded[:12]}..., this checkpoint is {digest[:12]}...: other weights or config, or an "
@@ -160,6 +165,9 @@ def load_graphs(config: ModelConfig, names: Sequence[str], export: Callable[[Pat
     path = Path(config.path)
     digest = checkpoint_hash(path)
     for d in (path, path / "onnx"):
+        if os.path.lexists(d / names[0]) and not (d / names[0]).is_file():
+            raise GraphMismatch(f"model {config.name!r}: {d / names[0]} is not a readable file (a directory or a "
+                                f"dangling link); remove it, or re-export with `relserve export {path} {d}`")
         if (d / names[0]).is_file():
             advice = f"re-export them with `relserve export {path} {d}`"
             missing = [n for n in names if not (d / n).is_file()]
@@ -179,11 +187,11 @@ def load_graphs(config: ModelConfig, names: Sequence[str], export: Callable[[Pat
     cache = root / digest
     for attempt in (1, 2):
         if not all((cache / n).is_file() for n in names):
-            if cache.is_dir():
+            if cache.is_symlink() or (cache.exists() and not cache.is_dir()):
+                cache.unlink()  # a stray file or link where the entry belongs
+            elif cache.is_dir():
                 log.warning("model %r: export cache entry %s is incomplete; exporting again", config.name, cache)
                 shutil.rmtree(cache, ignore_errors=True)
-            elif cache.exists() or cache.is_symlink():
-                cache.unlink()  # a stray file where the entry belongs
             log.info("model %r: no ONNX graphs yet; exporting %s to %s", config.name, path, cache)
             _export_into(cache, export)
         try:
@@ -195,7 +203,10 @@ def load_graphs(config: ModelConfig, names: Sequence[str], export: Callable[[Pat
                 raise
             log.warning("model %r: cached graphs unusable (%s); deleting %s and exporting again", config.name,
                         exc, cache)
-            shutil.rmtree(cache, ignore_errors=True)
+            if cache.is_symlink():
+                cache.unlink()
+            else:
+                shutil.rmtree(cache, ignore_errors=True)
     raise AssertionError("unreachable")
 
 
