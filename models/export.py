@@ -193,7 +193,6 @@ def export_model(
     """
     import onnx
 
-    check_opset(opset)
     inputs, outputs = graph_io_names(config, task)
     model = model.to("cpu", torch.float32).eval()
     wrapper = (_WithTypes(model) if "token_type_ids" in inputs else _WithoutTypes(model)).eval()
@@ -454,7 +453,8 @@ def _out_dir_problem(out: Path) -> str | None:
     while not os.path.lexists(p):
         p = p.parent
     if p == out.absolute():
-        return None if p.is_dir() else "it exists and is not a directory"
+        return None if p.is_dir() else ("it exists and is not a directory; give a directory (the graphs and "
+                                        "export_report.json are written inside it)")
     if not p.is_dir():
         return f"{p} is not a directory"
     if not os.access(p, os.W_OK | os.X_OK):
@@ -473,35 +473,24 @@ def is_translation_checkpoint(path: str | os.PathLike) -> bool:
         return False
 
 
-def _run_translation(args: argparse.Namespace) -> int:
-    from .checkpoint import CheckpointError
-    from .export_translation import export_translation_checkpoint
-
-    try:
-        report = export_translation_checkpoint(args.checkpoint, args.out, opset=args.opset, parity=not args.no_parity)
-    except CheckpointError as exc:  # TranslationCheckpointError is one
-        print(f"relserve export: {exc}", file=sys.stderr)
-        return 2
-    except (RuntimeError, ValueError) as exc:
-        print(f"relserve export: {exc}", file=sys.stderr)
-        return 1
-    if "parity" in report:
-        cases = report["parity"]["cases"]
-        worst = max(max(c["encoder_max_abs_diff"], c["decoder_step_max_abs_diff"]) for c in cases)
-        print(f"parity: {len(cases)} cases, max |diff| {worst:.2e} (tolerance {report['parity']['tolerance']}); "
-              f"searches " + ", ".join(f"{k} {'identical' if v['identical_tokens'] else 'DIFFER'}"
-                                       for k, v in report["parity"]["search"].items()))
-    return 0
+def _parity_line(report: dict[str, Any]) -> str:
+    """One summary line of a report's parity section (encoder-task or translation report)."""
+    parity = report["parity"]
+    cases = parity["cases"]
+    worst = max(max(c.get("max_abs_diff", 0.0), c.get("encoder_max_abs_diff", 0.0),
+                    c.get("decoder_step_max_abs_diff", 0.0)) for c in cases)
+    line = f"parity: {len(cases)} cases, max |diff| {worst:.2e} (tolerance {parity['tolerance']})"
+    if "search" in parity:
+        line += "; searches " + ", ".join(f"{k} {'identical' if v['identical_tokens'] else 'DIFFER'}"
+                                          for k, v in parity["search"].items())
+    return line
 
 
 def run(args: argparse.Namespace) -> int:
-    """``relserve export`` body. Exit codes: 0 ok, 1 parity failure or export error, 2 bad checkpoint."""
+    """``relserve export`` body. Exit codes: 0 ok, 1 parity failure or export error, 2 bad checkpoint, opset or
+    OUT_DIR."""
     from .checkpoint import CheckpointError
 
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        print(f"relserve export: OUT_DIR {args.out!r} exists and is not a directory; give a directory "
-              f"(model.onnx and export_report.json are written inside it)", file=sys.stderr)
-        return 2
     try:
         check_opset(args.opset)
     except ValueError as exc:
@@ -511,20 +500,22 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"relserve export: cannot create OUT_DIR {args.out!r}: {problem}", file=sys.stderr)
         return 2
-    if is_translation_checkpoint(args.checkpoint):
-        return _run_translation(args)
     try:
-        result = export_checkpoint(args.checkpoint, args.out, opset=args.opset, parity=not args.no_parity)
-    except CheckpointError as exc:
+        if is_translation_checkpoint(args.checkpoint):
+            from .export_translation import export_translation_checkpoint
+
+            report = export_translation_checkpoint(args.checkpoint, args.out, opset=args.opset,
+                                                   parity=not args.no_parity)
+        else:
+            report = export_checkpoint(args.checkpoint, args.out, opset=args.opset, parity=not args.no_parity).report
+    except CheckpointError as exc:  # TranslationCheckpointError is one
         print(f"relserve export: {exc}", file=sys.stderr)
         return 2
     except (RuntimeError, ValueError) as exc:
         print(f"relserve export: {exc}", file=sys.stderr)
         return 1
-    if "parity" in result.report:
-        worst = max(c["max_abs_diff"] for c in result.report["parity"]["cases"])
-        print(f"parity: {len(result.report['parity']['cases'])} cases, max |diff| {worst:.2e} "
-              f"(tolerance {PARITY_TOLERANCE})")
+    if "parity" in report:
+        print(_parity_line(report))
     return 0
 
 

@@ -214,9 +214,6 @@ def export_translation_model(model: RNNSearch, out_dir: str | os.PathLike, *, op
     """
     import onnx
 
-    from .export import check_opset
-
-    check_opset(opset)
     model = model.to("cpu", torch.float32).eval()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -280,6 +277,27 @@ def _diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)))) if a.size else 0.0
 
 
+@torch.inference_mode()
+def step_api_diff(reference, candidate, ids: Tensor, mask: Tensor, rows: Tensor, tokens: Tensor) -> tuple[float, float]:
+    """Max |difference| of two step-API models (``encode`` / ``decode_step``) on the same sources: (encoder
+    outputs over real positions, one decoder step whose hypotheses read source ``rows`` with previous
+    ``tokens`` from the reference's initial states). Used by the export report and the server's self-check."""
+    want = reference.encode(ids, mask)
+    got = candidate.encode(ids, mask)
+    lengths = mask.sum(dim=1).tolist()
+    enc = _diff(want.init_state.float().cpu().numpy(), got.init_state.float().cpu().numpy())
+    for name in ("annotations", "projected_annotations"):
+        w = getattr(want, name).float().cpu().numpy()
+        g = getattr(got, name).float().cpu().numpy()
+        for b, n in enumerate(lengths):
+            enc = max(enc, _diff(w[b, :n], g[b, :n]))
+    hidden = want.init_state.index_select(0, rows)
+    dec = max(_diff(a.float().cpu().numpy(), b.float().cpu().numpy())
+              for a, b in zip(reference.decode_step(want, rows, tokens, hidden),
+                              candidate.decode_step(want, rows, tokens, hidden)))
+    return enc, dec
+
+
 def translation_parity_report(ort_model, model: RNNSearch, *, tolerance: float = 1e-4,
                               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Graphs (``ort_model``, an :class:`~relserve.models.ort_rnnsearch.OrtRNNSearch`) vs torch ``model``.
@@ -295,21 +313,10 @@ def translation_parity_report(ort_model, model: RNNSearch, *, tolerance: float =
     cases = []
     for k, lengths in enumerate(parity_cases(model)):
         ids, mask = _sources(model, lengths, seed=k)
-        with torch.inference_mode():
-            want = model.encode(torch.from_numpy(ids), torch.from_numpy(mask))
-            got = ort_model.encode(torch.from_numpy(ids), torch.from_numpy(mask))
-            enc_diff = 0.0
-            for name in ("annotations", "projected_annotations"):
-                w, g2 = getattr(want, name).numpy(), getattr(got, name).numpy()
-                for b, n in enumerate(lengths):
-                    enc_diff = max(enc_diff, _diff(w[b, :n], g2[b, :n]))
-            enc_diff = max(enc_diff, _diff(want.init_state.numpy(), got.init_state.numpy()))
-            rows = torch.arange(len(lengths) - 1, -1, -1).repeat_interleave(2)
-            tokens = torch.from_numpy(np.random.default_rng(100 + k).integers(3, model.config.tgt_vocab_size, len(rows)))
-            hidden = want.init_state.index_select(0, rows)
-            w_out = model.decode_step(want, rows, tokens, hidden)
-            g_out = ort_model.decode_step(want, rows, tokens, hidden)
-            dec_diff = max(_diff(a.numpy(), b.numpy()) for a, b in zip(w_out, g_out))
+        rows = torch.arange(len(lengths) - 1, -1, -1).repeat_interleave(2)
+        tokens = torch.from_numpy(np.random.default_rng(100 + k).integers(3, model.config.tgt_vocab_size, len(rows)))
+        enc_diff, dec_diff = step_api_diff(model, ort_model, torch.from_numpy(ids), torch.from_numpy(mask), rows,
+                                           tokens)
         diff = max(enc_diff, dec_diff)
         cases.append({"batch": len(lengths), "lengths": lengths, "encoder_max_abs_diff": enc_diff,
                       "decoder_step_max_abs_diff": dec_diff, "passed": bool(diff <= tolerance)})

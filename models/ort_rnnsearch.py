@@ -43,8 +43,16 @@ class OrtRNNSearch:
                 raise FileNotFoundError(f"{d / name}: missing (export the checkpoint with `relserve export`)")
         kwargs = dict(providers=providers, intra_op_threads=intra_op_threads, graph_optimization=graph_optimization,
                       native_library=native_library)
+        self._mask_cache: tuple[Tensor, Tensor] | None = None
         self.encoder_session = make_session(d / ENCODER_GRAPH, **kwargs)
         self.decoder_session = make_session(d / DECODER_GRAPH, **kwargs)
+
+    def _long_mask(self, mask: Tensor) -> Tensor:
+        """The graph's Int64 mask; a decode loop passes the same stacked mask step after step, so it is
+        converted once per stack, not once per step."""
+        if self._mask_cache is None or self._mask_cache[0] is not mask:
+            self._mask_cache = (mask, mask.to(self.device).long())
+        return self._mask_cache[1]
 
     @property
     def providers(self) -> list[str]:
@@ -89,7 +97,7 @@ class OrtRNNSearch:
         run_bound(self.decoder_session, {
             "annotations": state.annotations.to(dev, torch.float32),
             "projected_annotations": state.projected_annotations.to(dev, torch.float32),
-            "src_mask": state.mask.to(dev).long(),
+            "src_mask": self._long_mask(state.mask),
             "source_index": source_index.to(dev, torch.long),
             "prev_tokens": prev_tokens.to(dev, torch.long),
             "prev_hidden": prev_hidden.to(dev, torch.float32),

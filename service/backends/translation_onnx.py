@@ -14,7 +14,6 @@ import logging
 import os
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..errors import ConfigError
@@ -77,11 +76,12 @@ class OnnxTranslationBackend(TorchTranslationBackend):
                  self.graph_dir, self._device_label, "native" if lib else "portable", self.parity_diff)
         return self.meta
 
-    @torch.inference_mode()
     def _self_check(self, reference) -> None:
         """Encoder outputs and one decoder step vs torch: a short source and one that strides through the
         whole source vocabulary; hypotheses whose previous tokens stride through the target vocabulary (so
         the check reads embedding rows everywhere, not just a few)."""
+        from relserve.models.export_translation import step_api_diff
+
         cfg = self.model_config
         v, eos, pad = int(cfg.src_vocab_size), int(cfg.eos_token_id), int(cfg.pad_token_id)
         width = 64
@@ -92,18 +92,9 @@ class OnnxTranslationBackend(TorchTranslationBackend):
         ids[1, : width - 1] = torch.tensor([(i * 7919) % v for i in range(width - 1)])
         ids[1, width - 1] = eos
         mask[1] = True
-        want = reference.encode(ids, mask)
-        got = self.model.encode(ids, mask)
-        worst = 0.0
-        for a, b in ((want.annotations, got.annotations), (want.projected_annotations, got.projected_annotations),
-                     (want.init_state, got.init_state)):
-            worst = max(worst, float((a - b.cpu()).abs().max()))
         k = int(cfg.tgt_vocab_size)
         tokens = torch.tensor([(i * 7919) % k for i in range(64)])
-        rows = torch.arange(64) % 2
-        hidden = want.init_state.index_select(0, rows)
-        for a, b in zip(reference.decode_step(want, rows, tokens, hidden), self.model.decode_step(want, rows, tokens, hidden)):
-            worst = max(worst, float(np.max(np.abs(a.float().numpy() - b.float().cpu().numpy()))))
+        worst = max(step_api_diff(reference, self.model, ids, mask, torch.arange(64) % 2, tokens))
         self.parity_diff = worst
         if not worst <= self.config.onnx_parity_tolerance:
             raise GraphMismatch(
