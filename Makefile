@@ -35,9 +35,9 @@ bench: install-test
 	$(BIN)/python -m relserve.loadtest.bench_encoder
 
 # Native CPU kernels for the com.relserve ONNX custom ops (optional; the exported graphs run without them).
-# Downloads Debian trixie's libonnxruntime-dev headers into models/onnx_native/build (private apt config).
+# Downloads Debian trixie's libonnxruntime-dev headers into models/onnx/native/build (private apt config).
 onnx-native:
-	models/onnx_native/build.sh
+	models/onnx/native/build.sh
 
 # transformers : our torch : ONNX Runtime (portable, and native when built), DeBERTa-v3-base shape, CPU fp32.
 bench-onnx: install-test
@@ -45,7 +45,7 @@ bench-onnx: install-test
 
 # On a GPU machine: the CUDA tests (skipped elsewhere), then the encoder and translation ONNX benchmarks.
 gpu-check: install-test
-	$(BIN)/python -m pytest -q -rs tests/test_cuda.py
+	$(BIN)/python -m pytest -q -rs tests/gpu/test_cuda.py
 	$(BIN)/python -m relserve.loadtest.bench_onnx --layers 2 --repeats 2
 	$(BIN)/python -m relserve.loadtest.bench_onnx_translation --repeats 3
 

@@ -9,7 +9,7 @@ next to a matmul peak measured in the same run.
 
 The model is built as in :mod:`relserve.loadtest.bench_encoder` (hidden 768, 12 heads, intermediate 3072,
 256 position buckets, p2c|c2p, shared key, layer-normed relative table; random weights), loaded into ours,
-exported with :func:`relserve.models.export.export_model`. Each shape: one warm-up per path, then
+exported with :func:`relserve.models.onnx.export.export_model`. Each shape: one warm-up per path, then
 ``--repeats`` rounds that run every path once in turn (so drift in machine load hits all alike); the median
 is reported. All paths must agree on the logits (max |diff| printed). FLOPs count the matmuls only (Q/K/V/O
 projections, feed-forward, QKᵀ and attention·V, the relative-table projections and the c2p/p2c products).
@@ -60,7 +60,8 @@ def matmul_peak(threads: int, seconds: float = 1.0) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     from relserve.loadtest.bench_encoder import build_models
-    from relserve.models.export import export_model, make_session
+    from relserve.models.onnx.export import export_model
+    from relserve.models.onnx.runtime import make_session
     from relserve.service.backends.onnx_backend import native_library
 
     parser = argparse.ArgumentParser(prog="python -m relserve.loadtest.bench_onnx", description=__doc__.splitlines()[0])

@@ -1,12 +1,12 @@
 """Op-level CPU fp32 timing of the com.relserve custom ops: the portable ONNX function vs the native kernel
-of ``models/onnx_native`` (when ``make onnx-native`` has built it and it registers the op), side by side.
+of ``models/onnx/native`` (when ``make onnx-native`` has built it and it registers the op), side by side.
 
     python -m relserve.loadtest.bench_onnx_ops                      # DeBERTa-v3-base shapes, 8x128 and 8x512
     python -m relserve.loadtest.bench_onnx_ops --repeats 5 --shapes 8x512
     python -m relserve.loadtest.bench_onnx_ops --json bench_onnx_ops.json
 
 Each op is a one-node ONNX model (the node plus its model-local function from
-:func:`relserve.models.onnx_ops.add_local_functions`, so the portable session inlines the function and the
+:func:`relserve.models.onnx.ops.add_local_functions`, so the portable session inlines the function and the
 native session, with the library registered, runs the kernel instead), built at DeBERTa-v3-base shapes:
 
 * ``LogBucketRelativePosition``: Tq = Tk = T, bucket_size 256, max_position 512;
@@ -14,7 +14,7 @@ native session, with the library registered, runs the kernel instead), built at 
   of R = min(2T - 1, 512) table rows that the encoder passes, relative positions from the op above;
 * ``RelativePositionBias`` (T5): table Float[32, 12], max_distance 128, bidirectional.
 
-Sessions are made with :func:`relserve.models.export.make_session` (all graph optimisations, ``--threads``
+Sessions are made with :func:`relserve.models.onnx.runtime.make_session` (all graph optimisations, ``--threads``
 intra-op threads, 2 by default). Per op and shape: one warm-up run of each session (outputs compared:
 exact for the integer / table-lookup ops, ``max |diff|`` for the float op), then ``--repeats`` rounds that
 run portable and native in turn; medians are reported with the native:portable time ratio (below 1: the
@@ -44,7 +44,7 @@ def _model(node, inputs, output, out_type, out_rank, initializers=()):
     import onnx
     from onnx import helper
 
-    from relserve.models import onnx_ops as ops
+    from relserve.models.onnx import ops
 
     ops.register_schemas()
     graph = helper.make_graph([node], node.op_type, inputs,
@@ -62,7 +62,8 @@ def op_cases(batch: int, seq: int, seed: int = 0) -> list[tuple[str, object, dic
     """``(op name, one-node ModelProto, feeds, exact)`` for the three ops at one shape."""
     from onnx import TensorProto, helper
 
-    from relserve.models import onnx_ops as ops
+    from relserve.models import relative_position as rp
+    from relserve.models.onnx import ops
 
     F32, I64 = TensorProto.FLOAT, TensorProto.INT64
     rng = np.random.default_rng(seed)
@@ -82,7 +83,7 @@ def op_cases(batch: int, seq: int, seed: int = 0) -> list[tuple[str, object, dic
     k = rng.standard_normal((batch, HEADS, seq, HEAD_SIZE), dtype=np.float32)
     pq = rng.standard_normal((HEADS, R, HEAD_SIZE), dtype=np.float32)
     pk = rng.standard_normal((HEADS, R, HEAD_SIZE), dtype=np.float32)
-    rel = ops.log_bucket_relative_position_reference(seq, seq, BUCKETS, MAX_POSITION).numpy()
+    rel = rp.log_bucket_relative_position_reference(seq, seq, BUCKETS, MAX_POSITION).numpy()
     node = helper.make_node("DisentangledAttentionBias", ["q", "k", "pq", "pk", "rel"], ["bias"], domain=ops.DOMAIN,
                             att_span=BUCKETS, scale=1 / math.sqrt(HEAD_SIZE * 3), c2p=1, p2c=1)
     inputs = [vi("q", F32, 4), vi("k", F32, 4), vi("pq", F32, 3), vi("pk", F32, 3), vi("rel", I64, 2)]
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     import onnx
     import onnxruntime as ort
 
-    from relserve.models.export import make_session
+    from relserve.models.onnx.runtime import make_session
     from relserve.service.backends.onnx_backend import native_library
 
     parser = argparse.ArgumentParser(prog="python -m relserve.loadtest.bench_onnx_ops",

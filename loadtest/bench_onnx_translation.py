@@ -3,7 +3,7 @@
     python -m relserve.loadtest.bench_onnx_translation                                  # both default models
     python -m relserve.loadtest.bench_onnx_translation --model defaults/translate-de-en --repeats 5
 
-For each checkpoint: export to a temporary directory (:mod:`relserve.models.export_translation`), then time
+For each checkpoint: export to a temporary directory (:mod:`relserve.models.onnx.export_rnnsearch`), then time
 on the same German sentences (``loadtest/data/de_en_dev.jsonl``, ``--batch`` of them per batch):
 
 * ``encode``: one batch through the encoder (the paper's BiGRU is a Python loop over time in torch, one
@@ -54,9 +54,9 @@ def _time(fn, calls: int) -> float:
 
 def bench_model(path: Path, args) -> dict:
     from relserve.models.decoding import DecodeOptions, beam_search
-    from relserve.models.export_translation import export_translation_model
-    from relserve.models.ort_rnnsearch import OrtRNNSearch
-    from relserve.models.translation_checkpoint import load_translation_checkpoint
+    from relserve.models.onnx.export_rnnsearch import export_translation_model
+    from relserve.models.onnx.runtime import OrtRNNSearch
+    from relserve.models.checkpoint import load_translation_checkpoint
 
     model, cfg, tok = load_translation_checkpoint(path)
     texts = _sentences(args.batch)

@@ -181,7 +181,7 @@ def main(argv=None) -> int:
         import sys
 
         sys.path.insert(0, str(REPO / "tests"))
-        from translation_fixtures import make_tiny_checkpoint
+        from fixtures.translation import make_tiny_checkpoint
 
         tmp = tempfile.TemporaryDirectory()
         model_dir = make_tiny_checkpoint(Path(tmp.name) / "tiny")

@@ -51,7 +51,7 @@ def make_checkpoint(out_dir: Path, *, task: str = "classification", tokenizer_di
     import torch
 
     from relserve.models.checkpoint import save_checkpoint
-    from relserve.models.config import DebertaConfig
+    from relserve.models.deberta import DebertaConfig
     from relserve.models.deberta import DebertaForQuestionAnswering, DebertaForSequenceClassification
 
     out_dir = Path(out_dir)

@@ -1,6 +1,6 @@
-"""Load and save Hugging Face-style DeBERTa-v2/v3 checkpoint directories.
+"""Checkpoint directories of both model families: ``config.json``, safetensors weights, tokenizer files.
 
-A directory holds ``config.json`` (model_type ``deberta-v2``), weights in ``model.safetensors`` or
+DeBERTa-v2/v3 (Hugging Face layout; :func:`load_checkpoint`, :func:`save_checkpoint`). A directory holds ``config.json`` (model_type ``deberta-v2``), weights in ``model.safetensors`` or
 ``pytorch_model.bin``, and tokenizer files. Weights load by name into our own modules
 (:mod:`relserve.models.deberta`), whose parameter names equal the HF keys. Key handling mirrors what
 transformers itself accepts:
@@ -14,21 +14,46 @@ transformers itself accepts:
 
 Anything else that does not match (missing keys, unexpected keys, wrong shapes) raises ``CheckpointError``
 naming the file and the keys.
+
+RNNsearch translation (:func:`load_translation_checkpoint`, :func:`save_translation_checkpoint`)::
+
+    config.json        RNNSearchConfig fields, model_type "rnnsearch", encoder_type "bigru" | "deberta";
+                       for "deberta" also "encoder_config" (a deberta-v2 config dict);
+                       "source_tokenizer" / "target_tokenizer" name the SentencePiece files
+    model.safetensors  weights (state-dict names of ``RNNSearch``: ``encoder.*``, ``decoder.*``); any float
+                       dtype (the defaults are stored as float16), cast to the requested dtype on load
+    source.spm         SentencePiece model for the source language
+    target.spm         SentencePiece model for the target language
+
+Both SentencePiece models use ``pad=0 bos=1 eos=2 unk=3``, the same ids as ``RNNSearchConfig``'s
+``pad_token_id``/``bos_token_id``/``eos_token_id``. Errors: ``TranslationCheckpointError`` (a
+``CheckpointError``, hence ``ValueError``) naming file and problem.
+
+:func:`checkpoint_hash` is the sha256 of a directory's config and weights (the ONNX graph cache key and the
+provenance recorded in exported graphs).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .config import CONFIG_NAME, DebertaConfig, read_checkpoint_config, write_config
-from .deberta import DebertaForQuestionAnswering, DebertaForSequenceClassification
+from .deberta import DebertaConfig, DebertaForQuestionAnswering, DebertaForSequenceClassification
+from .rnnsearch import MODEL_TYPE as RNNSEARCH_MODEL_TYPE
+from .rnnsearch import RNNSearch, RNNSearchConfig, build_translation_model, encoder_kind
+from . import tokenization
+from .tokenization import SOURCE_SPM, TARGET_SPM, TokenizerError, TranslationTokenizer
+
+CONFIG_NAME = "config.json"
 
 SAFETENSORS_NAME = "model.safetensors"
 PYTORCH_NAME = "pytorch_model.bin"
@@ -41,6 +66,8 @@ TOKENIZER_FILES = (
     "spm.model",
     "added_tokens.json",
 )
+
+TRANSLATION_ENCODER_TYPES = ("bigru", "deberta")
 
 _TASK_BY_SUFFIX = {
     "ForSequenceClassification": "classification",
@@ -65,6 +92,64 @@ _IGNORED_KEY_PATTERNS = (
 
 class CheckpointError(ValueError):
     """A checkpoint directory cannot be loaded; the message names the file and the problem."""
+
+
+class TranslationCheckpointError(CheckpointError):
+    """A translation checkpoint directory cannot be loaded or written; the message names file and problem."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# config.json
+# ---------------------------------------------------------------------------------------------------------
+
+
+def config_path(path: str | os.PathLike) -> str:
+    """``<path>/config.json``, or ``path`` itself if it is a file."""
+    p = os.fspath(path)
+    return os.path.join(p, CONFIG_NAME) if os.path.isdir(p) else p
+
+
+def read_config(path: str | os.PathLike) -> tuple[str, Any]:
+    """Parse ``<path>/config.json`` (or ``path`` itself if it is a file); returns (the file's path, the JSON)."""
+    p = config_path(path)
+    with open(p, encoding="utf-8") as f:
+        return p, json.load(f)
+
+
+def read_checkpoint_config(path: str | os.PathLike, error: type[Exception]) -> tuple[str, Any]:
+    """Parse a checkpoint directory's ``config.json``; returns (the file's path, the JSON).
+
+    Raises:
+        error: ``path`` is not a directory, the file is missing, or it is not readable JSON (the message
+            names the file and the problem).
+    """
+    path = os.fspath(path)
+    cfg_path = os.path.join(path, CONFIG_NAME)
+    if not os.path.isdir(path):
+        raise error(f"{path}: not a directory")
+    if not os.path.isfile(cfg_path):
+        raise error(f"{cfg_path}: missing")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            return cfg_path, json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise error(f"{cfg_path}: cannot read JSON: {e}") from e
+
+
+def write_config(d: dict[str, Any], out_dir: str | os.PathLike, ensure_ascii: bool = True) -> str:
+    """Write ``d`` as ``<out_dir>/config.json`` (2-space indent, sorted keys, final newline); returns its path."""
+    os.makedirs(out_dir, exist_ok=True)
+    p = os.path.join(os.fspath(out_dir), CONFIG_NAME)
+    with open(p, "w", encoding="utf-8") as f:
+        json.dump(d, f, indent=2, sort_keys=True, ensure_ascii=ensure_ascii)
+        f.write("\n")
+    return p
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DeBERTa (Hugging Face layout)
+# ---------------------------------------------------------------------------------------------------------
+
 
 
 @dataclass
@@ -189,9 +274,7 @@ def load_checkpoint(
     model = model.to(device=device, dtype=dtype).eval()
     tokenizer = None
     if load_tokenizer:
-        from .tokenization import load_tokenizer as _load_tokenizer
-
-        tokenizer = _load_tokenizer(path)
+        tokenizer = tokenization.load_tokenizer(path)
         if tokenizer.vocab_size > config.vocab_size:
             # ids past the embedding table would fail whole batches at run time, other clients' requests too
             raise CheckpointError(
@@ -231,3 +314,187 @@ def save_checkpoint(
         if not copied:
             raise CheckpointError(f"{tokenizer_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
     return out_dir
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RNNsearch translation
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _config_json(model: RNNSearch) -> dict[str, Any]:
+    try:
+        kind = encoder_kind(model)
+    except ValueError as e:
+        raise TranslationCheckpointError(str(e)) from e
+    d = model.config.to_dict()
+    d["encoder_type"] = kind
+    if kind == "deberta":
+        enc = model.encoder.config.to_dict()
+        enc["model_type"] = "deberta-v2"
+        d["encoder_config"] = enc
+    d["source_tokenizer"] = SOURCE_SPM
+    d["target_tokenizer"] = TARGET_SPM
+    d["model_type"] = RNNSEARCH_MODEL_TYPE
+    return d
+
+
+def save_translation_checkpoint(
+    model: RNNSearch,
+    tokenizer: TranslationTokenizer,
+    out_dir: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    extra_config: dict[str, Any] | None = None,
+) -> str:
+    """Write ``config.json``, ``model.safetensors`` (floats cast to ``dtype`` if given, e.g. float16 to halve
+    the size), ``source.spm`` and ``target.spm``. ``extra_config`` keys are added to config.json (kept in
+    ``RNNSearchConfig.extra`` on load). Returns ``out_dir``."""
+    from safetensors.torch import save_file
+
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    d = _config_json(model)
+    for k, v in (extra_config or {}).items():
+        d.setdefault(k, v)
+    if dtype is not None:
+        d["torch_dtype"] = str(dtype).replace("torch.", "")
+    if model.config.src_vocab_size != tokenizer.source_vocab_size:
+        raise TranslationCheckpointError(
+            f"src_vocab_size {model.config.src_vocab_size} != source tokenizer size {tokenizer.source_vocab_size}"
+        )
+    if model.config.tgt_vocab_size != tokenizer.target_vocab_size:
+        raise TranslationCheckpointError(
+            f"tgt_vocab_size {model.config.tgt_vocab_size} != target tokenizer size {tokenizer.target_vocab_size}"
+        )
+    tensors = {}
+    for k, v in model.state_dict().items():
+        v = v.detach().to("cpu")
+        if dtype is not None and v.is_floating_point():
+            v = v.to(dtype)
+        tensors[k] = v.contiguous()
+    save_file(tensors, os.path.join(out_dir, SAFETENSORS_NAME), metadata={"format": "pt"})
+    for src, name in ((tokenizer.source_path, SOURCE_SPM), (tokenizer.target_path, TARGET_SPM)):
+        dst = os.path.join(out_dir, name)
+        if os.path.abspath(src) != os.path.abspath(dst):
+            with open(src, "rb") as fi, open(dst, "wb") as fo:
+                fo.write(fi.read())
+    write_config(d, out_dir, ensure_ascii=False)
+    return out_dir
+
+
+def read_translation_config(path: str | os.PathLike) -> tuple[RNNSearchConfig, DebertaConfig | None, dict]:
+    """Parse ``<path>/config.json`` -> (RNNSearchConfig, DeBERTa encoder config or None, raw dict)."""
+    cfg_path, raw = read_checkpoint_config(path, TranslationCheckpointError)
+    if not isinstance(raw, dict):
+        raise TranslationCheckpointError(f"{cfg_path}: expected a JSON object")
+    if raw.get("model_type") != RNNSEARCH_MODEL_TYPE:
+        raise TranslationCheckpointError(
+            f"{cfg_path}: model_type {raw.get('model_type')!r} is not a translation model (expected {RNNSEARCH_MODEL_TYPE!r})"
+        )
+    d = dict(raw)
+    kind = d.get("encoder_type", "bigru")
+    if kind not in TRANSLATION_ENCODER_TYPES:
+        raise TranslationCheckpointError(
+            f"{cfg_path}: encoder_type {kind!r}: expected one of {TRANSLATION_ENCODER_TYPES}"
+        )
+    enc_raw = d.pop("encoder_config", None)
+    for k in ("source_tokenizer", "target_tokenizer", "torch_dtype"):
+        d.pop(k, None)
+    enc_cfg = None
+    try:
+        if kind == "deberta":
+            if not isinstance(enc_raw, dict):
+                raise ValueError("encoder_type 'deberta' needs an 'encoder_config' object")
+            enc_cfg = DebertaConfig.from_dict(enc_raw)
+            d["encoder_type"] = "external"
+        config = RNNSearchConfig.from_dict(d)
+    except (TypeError, ValueError) as e:
+        raise TranslationCheckpointError(f"{cfg_path}: {e}") from e
+    return config, enc_cfg, raw
+
+
+def load_translation_checkpoint(
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[RNNSearch, RNNSearchConfig, TranslationTokenizer]:
+    """Load a translation checkpoint directory -> (model in eval mode on device/dtype, config, tokenizer).
+
+    Raises ``TranslationCheckpointError`` for a missing/unreadable config, weights or tokenizer, a vocabulary
+    size that disagrees with a tokenizer, and missing, unexpected or mis-shaped weights."""
+    from safetensors.torch import load_file
+
+    path = os.fspath(path)
+    config, enc_cfg, raw = read_translation_config(path)
+    try:
+        tokenizer = TranslationTokenizer(
+            os.path.join(path, raw.get("source_tokenizer", SOURCE_SPM)),
+            os.path.join(path, raw.get("target_tokenizer", TARGET_SPM)),
+        )
+    except TokenizerError as e:
+        raise TranslationCheckpointError(str(e)) from e
+    cfg_path = os.path.join(path, CONFIG_NAME)
+    if tokenizer.source_vocab_size != config.src_vocab_size:
+        raise TranslationCheckpointError(
+            f"{cfg_path}: src_vocab_size {config.src_vocab_size} but {tokenizer.source_path} has "
+            f"{tokenizer.source_vocab_size} pieces"
+        )
+    if tokenizer.target_vocab_size != config.tgt_vocab_size:
+        raise TranslationCheckpointError(
+            f"{cfg_path}: tgt_vocab_size {config.tgt_vocab_size} but {tokenizer.target_path} has "
+            f"{tokenizer.target_vocab_size} pieces"
+        )
+    try:
+        model = build_translation_model(config, enc_cfg)
+    except ValueError as e:
+        raise TranslationCheckpointError(f"{cfg_path}: {e}") from e
+    st = os.path.join(path, SAFETENSORS_NAME)
+    if not os.path.isfile(st):
+        raise TranslationCheckpointError(f"{st}: missing (weights are read from safetensors only)")
+    try:
+        sd = load_file(st)
+    except Exception as e:  # safetensors raises SafetensorError / OSError
+        raise TranslationCheckpointError(f"{st}: cannot read safetensors file: {e}") from e
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(sd))
+    unexpected = sorted(set(sd) - set(expected))
+    bad = [f"{k}: {tuple(sd[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items() if k in sd and sd[k].shape != v.shape]
+    problems = []
+    if missing:
+        problems.append(f"missing keys {missing[:5]}" + (f" (+{len(missing) - 5})" if len(missing) > 5 else ""))
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected[:5]}" + (f" (+{len(unexpected) - 5})" if len(unexpected) > 5 else ""))
+    if bad:
+        problems.append("shape mismatch " + "; ".join(bad[:5]))
+    if problems:
+        raise TranslationCheckpointError(f"{st}: " + "; ".join(problems))
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in sd.items()}, strict=True)
+    model = model.to(device=device, dtype=dtype).eval()
+    return model, config, tokenizer
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Provenance
+# ---------------------------------------------------------------------------------------------------------
+
+
+def checkpoint_hash(path: str | os.PathLike, export_version: str = "1") -> str:
+    """sha256 (hex) over ``config.json``, the weights file and an export format version.
+
+    The ONNX graph cache is keyed by it and every exported graph records it, so a graph is never used with
+    other weights; ``export_version`` is the exporter's layout version (bumping it invalidates old graphs)."""
+    h = hashlib.sha256(f"relserve-onnx-export-v{export_version}\n".encode())
+    p = Path(path)
+    for name in (CONFIG_NAME, SAFETENSORS_NAME, PYTORCH_NAME):
+        f = p / name
+        if f.is_file():
+            h.update(name.encode())
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+    return h.hexdigest()
+
+
+def is_translation_checkpoint(path: str | os.PathLike) -> bool:
+    """True when ``<path>/config.json`` says ``model_type`` "rnnsearch"."""
+    try:
+        return read_config(path)[1].get("model_type") == RNNSEARCH_MODEL_TYPE
+    except (OSError, ValueError, AttributeError):
+        return False

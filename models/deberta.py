@@ -13,7 +13,7 @@ Inference-oriented choices (numerically equivalent on real tokens):
   the whole table once ``T > att_span``) is projected (for T=128 with 256 buckets that is 255 of 512 rows),
   which shrinks the c2p/p2c matmuls. The window is plain shape arithmetic, so an exported graph keeps it
   symbolic in T.
-* The relative-position work runs through the custom ops of :mod:`relserve.models.onnx_ops`
+* The relative-position work runs through the custom ops of :mod:`relserve.models.relative_position`
   (``LogBucketRelativePosition``, ``DisentangledAttentionBias``, ``RelativePositionBias``): eager mode calls
   their torch kernels, ONNX export emits one custom-domain node each.
 * The attention mask hides padded *keys* only (``[B, 1, 1, T]``). HF additionally hides every key from padded
@@ -25,24 +25,37 @@ Inference-oriented choices (numerically equivalent on real tokens):
 al. 2020): a learned scalar per (bucket, head), table ``encoder.relative_attention_bias``, added to the
 logits of every layer.
 
+:class:`DebertaConfig` is field-compatible with Hugging Face ``deberta-v2`` ``config.json``: defaults follow
+``transformers.DebertaV2Config`` plus the ``getattr(config, name, default)`` fallbacks its modeling code uses for
+keys the config class does not declare (``position_buckets``, ``share_att_key``, ``norm_rel_ebd``, ``conv_*``,
+``embedding_size``, ``pooler_hidden_size``), so a checkpoint's config means the same here as in transformers
+and ``to_dict()`` writes a dict transformers loads. Unknown keys are kept in ``extra`` and written back.
+Reading and writing the file is :mod:`relserve.models.checkpoint`'s.
+
 Shapes: B batch, T sequence length, H hidden size, n heads, d = H / n head size, R rows of the relative
 embedding table in use.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import onnx_ops
-from .config import DebertaConfig
+from . import relative_position
 from .relative_position import make_log_bucket_position
 
+MODEL_TYPE = "deberta-v2"
+RELATIVE_ATTENTION_TYPES = ("deberta", "t5")
+
 __all__ = [
+    "DebertaConfig",
+    "normalise_pos_att_type",
     "DebertaEmbeddings",
     "DisentangledSelfAttention",
     "DebertaLayer",
@@ -54,6 +67,186 @@ __all__ = [
     "DebertaForQuestionAnswering",
     "activation",
 ]
+
+
+# Keys HF writes that carry no meaning for inference here; dropped on read, not written back.
+_IGNORED_KEYS = {"model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype"}
+
+
+def normalise_pos_att_type(value: Any) -> list[str]:
+    """``"p2c|c2p"`` / ``["p2c", "c2p"]`` / ``None`` -> ``["p2c", "c2p"]`` / ``[]`` (lower-case, stripped).
+
+    Unknown terms raise ``ValueError``; the only terms DeBERTa defines are ``c2p`` and ``p2c``.
+    """
+    if value is None:
+        return []
+    if isinstance(value, str):
+        items = [x.strip().lower() for x in value.split("|")]
+    else:
+        items = [str(x).strip().lower() for x in value]
+    items = [x for x in items if x and x != "none"]
+    bad = [x for x in items if x not in ("c2p", "p2c")]
+    if bad:
+        raise ValueError(f"pos_att_type: unknown term(s) {bad}; allowed are 'c2p' and 'p2c'")
+    return items
+
+
+@dataclass
+class DebertaConfig:
+    """Hyper-parameters of a DeBERTa-v2/v3 encoder and its task head (HF ``deberta-v2`` field names)."""
+
+    vocab_size: int = 128100
+    hidden_size: int = 1536
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 24
+    intermediate_size: int = 6144
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 0
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-7
+    # Relative (disentangled) attention.
+    relative_attention: bool = False
+    max_relative_positions: int = -1  # < 1 means "use max_position_embeddings"
+    position_buckets: int = -1  # > 0 enables log buckets and sets the table to 2 * position_buckets rows
+    pos_att_type: list[str] = field(default_factory=list)  # subset of ["p2c", "c2p"]
+    share_att_key: bool = False  # v3: project relative embeddings with query_proj/key_proj
+    norm_rel_ebd: str = "none"  # "layer_norm" applies encoder.LayerNorm to rel_embeddings
+    position_biased_input: bool = True  # add absolute position embeddings to the input
+    # "deberta": disentangled c2p/p2c attention (above). "t5": a learned scalar per (bucket, head) added to the
+    # logits instead (Raffel et al. 2020), table ``encoder.relative_attention_bias`` [num_buckets, heads],
+    # shared by all layers; pos_att_type / position_buckets are then unused. (relserve extension: transformers'
+    # DebertaV2 ignores these keys.)
+    relative_attention_type: str = "deberta"
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    relative_attention_bidirectional: bool = True
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    embedding_size: int | None = None  # None -> hidden_size; otherwise embed_proj maps to hidden_size
+    # Optional convolution after the first layer (v2 xlarge/xxlarge).
+    conv_kernel_size: int = 0
+    conv_act: str = "tanh"
+    conv_groups: int = 1
+    # Heads.
+    pooler_hidden_size: int | None = None  # None -> hidden_size
+    pooler_hidden_act: str = "gelu"
+    pooler_dropout: float = 0.0
+    cls_dropout: float | None = None
+    architectures: list[str] | None = None
+    id2label: dict[int, str] = field(default_factory=lambda: {0: "LABEL_0", 1: "LABEL_1"})
+    label2id: dict[str, int] = field(default_factory=lambda: {"LABEL_0": 0, "LABEL_1": 1})
+    problem_type: str | None = None
+    legacy: bool = True
+    tie_word_embeddings: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.pos_att_type = normalise_pos_att_type(self.pos_att_type)
+        if self.embedding_size is None:
+            self.embedding_size = self.hidden_size
+        if self.pooler_hidden_size is None:
+            self.pooler_hidden_size = self.hidden_size
+        self.id2label = {int(k): str(v) for k, v in (self.id2label or {}).items()}
+        if not self.label2id or set(self.label2id.values()) != set(self.id2label):
+            self.label2id = {v: k for k, v in self.id2label.items()}
+        else:
+            self.label2id = {str(k): int(v) for k, v in self.label2id.items()}
+        if self.relative_attention_type not in RELATIVE_ATTENTION_TYPES:
+            raise ValueError(
+                f"relative_attention_type {self.relative_attention_type!r} is not one of {list(RELATIVE_ATTENTION_TYPES)}"
+            )
+        if self.relative_attention_type == "t5":
+            nb = self.relative_attention_num_buckets // (2 if self.relative_attention_bidirectional else 1)
+            if nb < 2 or self.relative_attention_max_distance <= nb // 2:
+                raise ValueError(
+                    f"relative_attention_num_buckets {self.relative_attention_num_buckets} / max_distance "
+                    f"{self.relative_attention_max_distance}: need >= 2 buckets per side and max_distance > "
+                    f"num_buckets // 2 (per side)"
+                )
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+
+    # -- derived quantities (the same rules HF's modeling code applies) --------------------------------------
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.id2label)
+
+    @num_labels.setter
+    def num_labels(self, n: int) -> None:
+        if n != len(self.id2label):
+            self.id2label = {i: f"LABEL_{i}" for i in range(n)}
+            self.label2id = {v: k for k, v in self.id2label.items()}
+
+    @property
+    def head_size(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def effective_max_relative_positions(self) -> int:
+        """``max_relative_positions``, or ``max_position_embeddings`` when it is < 1 (HF rule)."""
+        return self.max_relative_positions if self.max_relative_positions >= 1 else self.max_position_embeddings
+
+    @property
+    def att_span(self) -> int:
+        """Half the number of rows of ``rel_embeddings``: ``position_buckets`` if > 0, else the max distance."""
+        return self.position_buckets if self.position_buckets > 0 else self.effective_max_relative_positions
+
+    @property
+    def norm_rel_ebd_terms(self) -> list[str]:
+        return [x.strip() for x in (self.norm_rel_ebd or "none").lower().split("|")]
+
+    # -- I/O ---------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DebertaConfig":
+        """Build from an HF-style dict. ``num_labels`` without ``id2label`` makes ``LABEL_i`` names."""
+        d = dict(d)
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        num_labels = d.pop("num_labels", None)
+        kwargs: dict[str, Any] = {}
+        extra: dict[str, Any] = dict(d.pop("extra", {}) or {})
+        for k, v in d.items():
+            if k in known:
+                kwargs[k] = v
+            elif k not in _IGNORED_KEYS:
+                extra[k] = v
+        if "id2label" not in kwargs and num_labels is not None:
+            kwargs["id2label"] = {i: f"LABEL_{i}" for i in range(int(num_labels))}
+            kwargs.pop("label2id", None)
+        cfg = cls(**kwargs, extra=extra)
+        if num_labels is not None and int(num_labels) != cfg.num_labels:
+            raise ValueError(f"num_labels={num_labels} disagrees with id2label ({cfg.num_labels} entries)")
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        """HF-compatible dict (``model_type`` "deberta-v2", string keys in ``id2label``)."""
+        d: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name == "extra":
+                continue
+            d[f.name] = getattr(self, f.name)
+        d["pos_att_type"] = list(self.pos_att_type)
+        d["id2label"] = {str(k): v for k, v in self.id2label.items()}
+        d["label2id"] = dict(self.label2id)
+        d["num_labels"] = self.num_labels
+        if d["cls_dropout"] is None:
+            del d["cls_dropout"]
+        if self.relative_attention_type == "deberta":  # keep HF-style files free of the T5 extension keys
+            for k in ("relative_attention_type", "relative_attention_num_buckets",
+                      "relative_attention_max_distance", "relative_attention_bidirectional"):
+                del d[k]
+        for k, v in self.extra.items():
+            d.setdefault(k, v)
+        d["model_type"] = MODEL_TYPE
+        return d
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -212,7 +405,7 @@ class DisentangledSelfAttention(nn.Module):
         if self.p2c:  # Qr = P Wq,r for eq. (4) third term, Kc_j · Qr_{δ(j,i)}
             pos_query = self._heads(self.query_proj(P) if self.share_att_key else self.pos_query_proj(P))
         # gathers at the clamped relative index, p2c per key row then transposed, sum, divide by sqrt(d·s)
-        return onnx_ops.disentangled_attention_bias(
+        return relative_position.disentangled_attention_bias(
             q, k, pos_query, pos_key, rel.relative_pos, att_span=self.att_span, scale=self.inv_scale,
             c2p=self.c2p, p2c=self.p2c,
         )  # [B, n, T, T]
@@ -364,14 +557,14 @@ class DebertaEncoder(nn.Module):
         ``T`` may be symbolic (export): everything here is shape arithmetic or a custom op.
         """
         if self.t5:
-            bias = onnx_ops.relative_position_bias(
+            bias = relative_position.relative_position_bias(
                 self.relative_attention_bias.weight, T, T, max_distance=self.t5_max_distance,
                 is_bidirectional=self.t5_bidirectional,
             )  # [1, n, T, T]
             return RelativeContext(rel_embeddings=None, relative_pos=None, position_bias=bias)
         if not (self.relative_attention and (self.c2p or self.p2c)):
             return None
-        rel = onnx_ops.log_bucket_relative_position(T, T, self.position_buckets, self.max_relative_positions,
+        rel = relative_position.log_bucket_relative_position(T, T, self.position_buckets, self.max_relative_positions,
                                                     device)  # [T, T] signed δ(i, j)
         span = self.att_span
         if self._window:

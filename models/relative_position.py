@@ -13,7 +13,13 @@ bucket ids are bit-identical (a different order can move a distance across a ``c
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
+from torch import Tensor
+
+TORCH_NAMESPACE = "relserve"
 
 
 def make_log_bucket_position(relative_pos: torch.Tensor, bucket_size: int, max_position: int) -> torch.Tensor:
@@ -67,4 +73,178 @@ def relative_index(relative_pos: torch.Tensor, att_span: int) -> torch.Tensor:
     return torch.clamp(relative_pos + att_span, 0, 2 * att_span - 1)
 
 
-__all__ = ["make_log_bucket_position", "build_relative_position", "relative_index"]
+# ---------------------------------------------------------------------------------------------------------------
+# Torch references (the math; the eager model reaches them through the custom ops below)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def log_bucket_relative_position_reference(
+    query_length: int, key_length: int, bucket_size: int = -1, max_position: int = -1, device=None
+) -> Tensor:
+    """Long[Tq, Tk] signed (bucketed) distances ``i - j`` (:func:`build_relative_position`)."""
+    return build_relative_position(query_length, key_length, bucket_size, max_position, device=device)
+
+
+def _relative_index(relative_pos: Tensor, att_span: int, rows: int) -> Tensor:
+    """The ``idx`` of DisentangledAttentionBias: clamp into the table, shift to the window, clamp again."""
+    offset = att_span - rows // 2
+    idx = relative_index(relative_pos, att_span) - offset
+    return torch.clamp(idx, 0, rows - 1)
+
+
+def disentangled_attention_bias_reference(
+    query_layer: Tensor,
+    key_layer: Tensor,
+    pos_query: Optional[Tensor],
+    pos_key: Optional[Tensor],
+    relative_pos: Tensor,
+    att_span: int,
+    scale: float,
+    c2p: bool,
+    p2c: bool,
+) -> Tensor:
+    """c2p + p2cᵀ scores times ``scale``: Float[B, n, Tq, Tk] (see the module docstring)."""
+    if not (c2p or p2c):
+        raise ValueError("disentangled_attention_bias: at least one of c2p, p2c must be set")
+    B, n, Tq, _ = query_layer.shape
+    Tk = key_layer.shape[2]
+    ref = pos_key if c2p else pos_query
+    if ref is None:
+        raise ValueError("disentangled_attention_bias: pos_key is required for c2p, pos_query for p2c")
+    idx = _relative_index(relative_pos, att_span, ref.shape[1])  # [Tq, Tk]
+    bias = None
+    if c2p:
+        # eq. (4) second term: Qc_i · Kr_{δ(i,j)}
+        scores = torch.matmul(query_layer, pos_key.transpose(-1, -2))  # [B, n, Tq, R]
+        bias = torch.gather(scores, -1, idx.expand(B, n, Tq, Tk))
+    if p2c:
+        # eq. (4) third term: Kc_j · Qr_{δ(j,i)}, gathered per key row j then transposed to [i, j]
+        scores = torch.matmul(key_layer, pos_query.transpose(-1, -2))  # [B, n, Tk, R]
+        term = torch.gather(scores, -1, idx.transpose(0, 1).expand(B, n, Tk, Tq)).transpose(-1, -2)
+        bias = term if bias is None else bias + term
+    return bias * scale
+
+
+def t5_relative_position_bucket(
+    relative_position: Tensor, bidirectional: bool = True, num_buckets: int = 32, max_distance: int = 128
+) -> Tensor:
+    """T5's bucket of ``memory_position - context_position`` (same float32 arithmetic as transformers)."""
+    relative_buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        relative_buckets = relative_buckets + (relative_position > 0).to(torch.long) * num_buckets
+        relative_position = torch.abs(relative_position)
+    else:
+        relative_position = -torch.min(relative_position, torch.zeros_like(relative_position))
+    max_exact = num_buckets // 2  # half of the buckets are for exact increments
+    is_small = relative_position < max_exact
+    # the other half grows logarithmically up to max_distance
+    if_large = max_exact + (
+        torch.log(relative_position.float() / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+    ).to(torch.long)
+    if_large = torch.min(if_large, torch.full_like(if_large, num_buckets - 1))
+    return relative_buckets + torch.where(is_small, relative_position, if_large)
+
+
+def relative_position_bias_reference(
+    bias_table: Tensor, query_length: int, key_length: int, max_distance: int, is_bidirectional: bool
+) -> Tensor:
+    """Float[1, num_heads, Tq, Tk]: ``bias_table[bucket(j - i), h]`` (T5 ``compute_bias``)."""
+    ctx = torch.arange(query_length, dtype=torch.long, device=bias_table.device)[:, None]
+    mem = torch.arange(key_length, dtype=torch.long, device=bias_table.device)[None, :]
+    buckets = t5_relative_position_bucket(mem - ctx, bool(is_bidirectional), bias_table.shape[0], max_distance)
+    values = torch.nn.functional.embedding(buckets, bias_table)  # [Tq, Tk, n]
+    return values.permute(2, 0, 1).unsqueeze(0)  # [1, n, Tq, Tk]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch.library custom ops (what the eager model calls; export sees one node each)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{TORCH_NAMESPACE}::log_bucket_relative_position", mutates_args=())
+def _log_bucket_op(query_length: int, key_length: int, bucket_size: int, max_position: int,
+                   device: torch.device) -> Tensor:
+    return log_bucket_relative_position_reference(query_length, key_length, bucket_size, max_position, device)
+
+
+@_log_bucket_op.register_fake
+def _(query_length, key_length, bucket_size, max_position, device):
+    return torch.empty((query_length, key_length), dtype=torch.long, device=device)
+
+
+@torch.library.custom_op(f"{TORCH_NAMESPACE}::disentangled_attention_bias", mutates_args=())
+def _disentangled_op(query_layer: Tensor, key_layer: Tensor, pos_query: Optional[Tensor], pos_key: Optional[Tensor],
+                     relative_pos: Tensor, att_span: int, scale: float, c2p: bool, p2c: bool) -> Tensor:
+    return disentangled_attention_bias_reference(query_layer, key_layer, pos_query, pos_key, relative_pos,
+                                                 att_span, scale, c2p, p2c).contiguous()  # the fake's layout
+
+
+@_disentangled_op.register_fake
+def _(query_layer, key_layer, pos_query, pos_key, relative_pos, att_span, scale, c2p, p2c):
+    B, n, Tq, _ = query_layer.shape
+    return query_layer.new_empty((B, n, Tq, key_layer.shape[2]))
+
+
+@torch.library.custom_op(f"{TORCH_NAMESPACE}::relative_position_bias", mutates_args=())
+def _t5_bias_op(bias_table: Tensor, query_length: int, key_length: int, max_distance: int,
+                is_bidirectional: bool) -> Tensor:
+    return relative_position_bias_reference(bias_table, query_length, key_length, max_distance,
+                                            is_bidirectional).contiguous()
+
+
+@_t5_bias_op.register_fake
+def _(bias_table, query_length, key_length, max_distance, is_bidirectional):
+    return bias_table.new_empty((1, bias_table.shape[1], query_length, key_length))
+
+
+def log_bucket_relative_position(query_length: int, key_length: int, bucket_size: int, max_position: int,
+                                 device: torch.device | str = "cpu") -> Tensor:
+    """Long[Tq, Tk] (custom op ``relserve::log_bucket_relative_position``)."""
+    return torch.ops.relserve.log_bucket_relative_position(query_length, key_length, bucket_size, max_position,
+                                                           torch.device(device))
+
+
+def _needs_grad(*tensors: Tensor | None) -> bool:
+    if not torch.is_grad_enabled() or torch.compiler.is_exporting():
+        return False
+    return any(t is not None and t.requires_grad for t in tensors)
+
+
+def disentangled_attention_bias(query_layer: Tensor, key_layer: Tensor, pos_query: Tensor | None,
+                                pos_key: Tensor | None, relative_pos: Tensor, *, att_span: int, scale: float,
+                                c2p: bool, p2c: bool) -> Tensor:
+    """Float[B, n, Tq, Tk] (custom op ``relserve::disentangled_attention_bias``).
+
+    When gradients are wanted (training) the differentiable reference runs instead: the custom op has no
+    autograd formula, and inference / export (no grad) are what it is for. Same numbers either way.
+    """
+    if _needs_grad(query_layer, key_layer, pos_query, pos_key):
+        return disentangled_attention_bias_reference(query_layer, key_layer, pos_query, pos_key, relative_pos,
+                                                     att_span, float(scale), bool(c2p), bool(p2c))
+    return torch.ops.relserve.disentangled_attention_bias(query_layer, key_layer, pos_query, pos_key, relative_pos,
+                                                          att_span, float(scale), bool(c2p), bool(p2c))
+
+
+def relative_position_bias(bias_table: Tensor, query_length: int, key_length: int, *, max_distance: int,
+                           is_bidirectional: bool = True) -> Tensor:
+    """Float[1, n, Tq, Tk] (custom op ``relserve::relative_position_bias``; the reference when training)."""
+    if _needs_grad(bias_table):
+        return relative_position_bias_reference(bias_table, query_length, key_length, max_distance,
+                                                bool(is_bidirectional))
+    return torch.ops.relserve.relative_position_bias(bias_table, query_length, key_length, max_distance,
+                                                     bool(is_bidirectional))
+
+
+__all__ = [
+    "make_log_bucket_position",
+    "build_relative_position",
+    "relative_index",
+    "log_bucket_relative_position",
+    "disentangled_attention_bias",
+    "relative_position_bias",
+    "log_bucket_relative_position_reference",
+    "disentangled_attention_bias_reference",
+    "relative_position_bias_reference",
+    "t5_relative_position_bucket",
+]

@@ -46,15 +46,13 @@ step.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import read_config, write_config
+from .deberta import DebertaConfig, DebertaModel
 
 MODEL_TYPE = "rnnsearch"
 INIT_STATE_CHOICES = ("backward_first", "mean", "first")
@@ -121,11 +119,6 @@ class RNNSearchConfig:
             (kwargs if k in known else extra)[k] = v
         return cls(**kwargs, extra=extra)
 
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "RNNSearchConfig":
-        """Read ``<path>/config.json`` (or ``path`` itself if it is a file)."""
-        return cls.from_dict(read_config(path)[1])
-
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
         for k, v in self.extra.items():
@@ -133,8 +126,6 @@ class RNNSearchConfig:
         d["model_type"] = MODEL_TYPE
         return d
 
-    def save_pretrained(self, out_dir: str | os.PathLike) -> str:
-        return write_config(self.to_dict(), out_dir)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -418,3 +409,45 @@ class RNNSearch(nn.Module):
             )
             logits.append(step_logits)
         return torch.stack(logits, dim=1)  # Float[B,T,K_y]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A DeBERTa-style annotation encoder, and the model builder for both encoders
+# ---------------------------------------------------------------------------------------------------------
+
+
+class DebertaAnnotationEncoder(DebertaModel):
+    """Our DeBERTa-style encoder as an RNNsearch encoder: ``(src_ids, src_mask) -> Float[B,S,hidden_size]``.
+
+    Parameter names are those of ``DebertaModel`` (``embeddings.*``, ``encoder.*``), so inside ``RNNSearch``
+    they read ``encoder.embeddings.*`` / ``encoder.encoder.*``."""
+
+    def forward(self, src_ids: Tensor, src_mask: Tensor) -> Tensor:  # type: ignore[override]
+        return super().forward(src_ids, src_mask)
+
+
+def encoder_kind(model: RNNSearch) -> str:
+    """``"deberta"`` or ``"bigru"``."""
+    if isinstance(model.encoder, DebertaAnnotationEncoder):
+        return "deberta"
+    if model.config.encoder_type == "bigru":
+        return "bigru"
+    raise ValueError(f"unsupported encoder module {type(model.encoder).__name__}")
+
+
+def build_translation_model(config: RNNSearchConfig, encoder_config: DebertaConfig | None = None) -> RNNSearch:
+    """RNNsearch with the BiGRU encoder (``encoder_config`` None) or a DeBERTa-style encoder whose
+    ``hidden_size`` must equal ``config.annotation_size`` and ``vocab_size`` ``config.src_vocab_size``."""
+    if encoder_config is None:
+        if config.encoder_type != "bigru":
+            raise ValueError("an 'external' encoder needs encoder_config")
+        return RNNSearch(config)
+    if config.encoder_type != "external":
+        raise ValueError("a DeBERTa encoder needs RNNSearchConfig(encoder_type='external')")
+    if encoder_config.hidden_size != config.annotation_size:
+        raise ValueError(
+            f"encoder hidden_size {encoder_config.hidden_size} != annotation_size {config.annotation_size}"
+        )
+    if encoder_config.vocab_size != config.src_vocab_size:
+        raise ValueError(f"encoder vocab_size {encoder_config.vocab_size} != src_vocab_size {config.src_vocab_size}")
+    return RNNSearch(config, encoder=DebertaAnnotationEncoder(encoder_config))

@@ -14,7 +14,11 @@
   here: sentencepiece (``return_type="proto"``; 0.2.3 removed "immutable_proto") reports UTF-8 byte offsets into the normalised text, which are mapped back to
   Python ``str`` indices of the caller's original text.
 
-Both give the DeBERTa template ``[CLS] A [SEP]`` / ``[CLS] A [SEP] B [SEP]`` with token type ids
+Translation checkpoints carry two plain SentencePiece models instead (``source.spm``, ``target.spm``,
+special ids ``pad=0 bos=1 eos=2 unk=3``): :class:`TranslationTokenizer` encodes a source as its pieces
+followed by EOS and decodes target ids up to the first EOS; :func:`train_sentencepiece` makes such a model.
+
+Both DeBERTa serialisations give the DeBERTa template ``[CLS] A [SEP]`` / ``[CLS] A [SEP] B [SEP]`` with token type ids
 0 for ``[CLS] A [SEP]`` and 1 for ``B [SEP]``.
 
 Units: all lengths are in tokens including special tokens unless said otherwise; all offsets are Python
@@ -23,13 +27,22 @@ Units: all lengths are in tokens including special tokens unless said otherwise;
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import unicodedata
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
 Offset = tuple[int, int]
+
+SOURCE_SPM = "source.spm"
+TARGET_SPM = "target.spm"
+SPECIAL_IDS = {"pad": 0, "bos": 1, "eos": 2, "unk": 3}
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file is missing, unreadable or has the wrong special ids; the message names the file."""
 
 # tokenizer configs without a real limit carry placeholders such as int(1e30) (C08)
 _MAX_LENGTH_PLACEHOLDER = 1_000_000
@@ -433,3 +446,136 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
         vocab_size=vocab_size,
         special_token_ids=special_ids,
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Translation: two plain SentencePiece models
+# ---------------------------------------------------------------------------------------------------------
+
+
+def train_sentencepiece(
+    texts: Iterable[str],
+    model_path: str | os.PathLike,
+    vocab_size: int,
+    model_type: str = "unigram",
+    character_coverage: float = 1.0,
+    seed_sentencepiece_size: int = 200_000,
+) -> str:
+    """Train a SentencePiece model on ``texts`` and write it to ``model_path`` (a single ``.spm`` file).
+
+    Special ids ``pad=0 bos=1 eos=2 unk=3``; one thread and no sentence sampling, so the same texts give
+    the same model. Returns ``model_path``."""
+    import sentencepiece as spm
+
+    lines = [t.replace("\n", " ").strip() for t in texts]
+    lines = [t for t in lines if t]
+    if not lines:
+        raise ValueError("train_sentencepiece: no text")
+    model_path = os.fspath(model_path)
+    os.makedirs(os.path.dirname(os.path.abspath(model_path)), exist_ok=True)
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=buf,
+        model_type=model_type,
+        vocab_size=vocab_size,
+        character_coverage=character_coverage,
+        pad_id=SPECIAL_IDS["pad"],
+        bos_id=SPECIAL_IDS["bos"],
+        eos_id=SPECIAL_IDS["eos"],
+        unk_id=SPECIAL_IDS["unk"],
+        pad_piece="<pad>",
+        bos_piece="<s>",
+        eos_piece="</s>",
+        unk_piece="<unk>",
+        num_threads=1,
+        input_sentence_size=0,
+        shuffle_input_sentence=False,
+        seed_sentencepiece_size=seed_sentencepiece_size,
+        minloglevel=2,
+    )
+    with open(model_path, "wb") as f:
+        f.write(buf.getvalue())
+    return model_path
+
+
+def _load_spm(path: str):
+    import sentencepiece as spm
+
+    if not os.path.isfile(path):
+        raise TokenizerError(f"{path}: missing (SentencePiece model)")
+    proc = spm.SentencePieceProcessor()
+    try:
+        proc.Load(path)
+    except Exception as e:  # sentencepiece raises OSError/RuntimeError depending on the failure
+        raise TokenizerError(f"{path}: cannot read SentencePiece model: {e}") from e
+    got = {"pad": proc.pad_id(), "bos": proc.bos_id(), "eos": proc.eos_id(), "unk": proc.unk_id()}
+    if got != SPECIAL_IDS:
+        raise TokenizerError(f"{path}: special ids {got}, expected {SPECIAL_IDS}")
+    return proc
+
+
+class TranslationTokenizer:
+    """Source and target SentencePiece models (``source.spm``, ``target.spm``) of a translation checkpoint."""
+
+    def __init__(self, source_model: str | os.PathLike, target_model: str | os.PathLike) -> None:
+        self.source_path = os.fspath(source_model)
+        self.target_path = os.fspath(target_model)
+        self.source = _load_spm(self.source_path)
+        self.target = _load_spm(self.target_path)
+        self.pad_token_id = SPECIAL_IDS["pad"]
+        self.bos_token_id = SPECIAL_IDS["bos"]
+        self.eos_token_id = SPECIAL_IDS["eos"]
+        self.unk_token_id = SPECIAL_IDS["unk"]
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> "TranslationTokenizer":
+        path = os.fspath(path)
+        return cls(os.path.join(path, SOURCE_SPM), os.path.join(path, TARGET_SPM))
+
+    @property
+    def source_vocab_size(self) -> int:
+        return self.source.GetPieceSize()
+
+    @property
+    def target_vocab_size(self) -> int:
+        return self.target.GetPieceSize()
+
+    def encode_source(self, text: str, max_length: int | None = None) -> list[int]:
+        """Source pieces + EOS (never empty: an empty text gives ``[eos]``). ``max_length`` counts the EOS."""
+        ids = self.source.EncodeAsIds(text)
+        if max_length is not None:
+            ids = ids[: max(0, max_length - 1)]
+        return ids + [self.eos_token_id]
+
+    def encode_target(self, text: str, max_length: int | None = None) -> list[int]:
+        """Target pieces + EOS (what the decoder must produce; training labels)."""
+        ids = self.target.EncodeAsIds(text)
+        if max_length is not None:
+            ids = ids[: max(0, max_length - 1)]
+        return ids + [self.eos_token_id]
+
+    def _strip(self, ids: Iterable[int]) -> list[int]:
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == self.eos_token_id:
+                break
+            if i in (self.pad_token_id, self.bos_token_id):
+                continue
+            out.append(i)
+        return out
+
+    def decode_target(self, ids: Iterable[int]) -> str:
+        """Target ids -> text; stops at the first EOS, skips pad/bos."""
+        return self.target.DecodeIds(self._strip(ids))
+
+    def decode_source(self, ids: Iterable[int]) -> str:
+        return self.source.DecodeIds(self._strip(ids))
+
+    def source_pieces(self, ids: Iterable[int]) -> list[str]:
+        """One piece string per id (EOS shows as ``</s>``), for alignment display."""
+        return [self.source.IdToPiece(int(i)) for i in ids]
+
+    def target_pieces(self, ids: Iterable[int]) -> list[str]:
+        return [self.target.IdToPiece(int(i)) for i in ids]

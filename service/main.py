@@ -2,7 +2,7 @@
 
     relserve serve [--config FILE] [--host HOST] [--port 50051] [--metrics-port 8002]
                    [--model NAME=DIR[,key=value...]]... [--drain-timeout SECONDS] [--log-level LEVEL]
-    relserve export CHECKPOINT_DIR OUT_DIR [--opset 18] [--no-parity]   (see relserve.models.export)
+    relserve export CHECKPOINT_DIR OUT_DIR [--opset 18] [--no-parity]   (see relserve.models.onnx.cli)
 
 Exit codes: 0 after a clean drain (SIGTERM/SIGINT), 1 when a model fails to load or the port cannot be
 bound, 2 for a configuration error.
@@ -39,12 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-message-bytes", type=int,
                        help="max gRPC message size both ways (default 4194304)")
     serve.add_argument("--log-level", help="DEBUG, INFO, WARNING, ... (default INFO)")
-    export = sub.add_parser("export", help="export a checkpoint to ONNX (custom relative-position ops) with a "
-                                           "parity report against torch")
-    export.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="HF-style DeBERTa-v2/v3 checkpoint directory, or an RNNsearch translation checkpoint")
-    export.add_argument("out", metavar="OUT_DIR", help="where model.onnx (translation: encoder.onnx, decoder_step.onnx) and export_report.json go")
-    export.add_argument("--opset", type=int, default=18, help="ONNX opset (>= 17, default 18)")
-    export.add_argument("--no-parity", action="store_true", help="skip the parity report against torch")
+    sub.add_parser("export", add_help=False, help="export a checkpoint to ONNX (custom relative-position ops) "
+                                                  "with a parity report against torch (see export --help)")
     sub.add_parser("loadtest", add_help=False,
                    help="load-test a running server (same as python -m relserve.loadtest; see loadtest --help)")
     for name, what in _TRAINERS.items():
@@ -102,7 +98,7 @@ async def serve(config: ServerConfig, runners=None) -> int:
     return 0
 
 
-# Subcommand -> what it trains; each is relserve.models.<name with underscores>.main(argv).
+# Subcommand -> what it trains; each is relserve.models.training.<name after "train-">.main(argv).
 _TRAINERS = {
     "train-classifier": "the default sentiment classifier",
     "train-qa": "the default extractive QA model",
@@ -117,13 +113,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return loadtest_main(argv[1:])
     if argv[:1] and argv[0] in _TRAINERS:  # training CLIs keep their own flags; imported only when asked for
-        module = importlib.import_module(f"relserve.models.{argv[0].replace('-', '_')}")
+        module = importlib.import_module(f"relserve.models.training.{argv[0].removeprefix('train-')}")
         return module.main(argv[1:])
-    args = build_parser().parse_args(argv)
-    if args.command == "export":
-        from relserve.models.export import run as run_export  # imports torch, onnx; only for this command
+    if argv[:1] == ["export"]:
+        from relserve.models.onnx.cli import main as export_main  # imports torch, onnx; its own flags
 
-        return run_export(args)
+        return export_main(argv[1:])
+    args = build_parser().parse_args(argv)
     try:
         config = config_from_args(args)
     except ConfigError as exc:

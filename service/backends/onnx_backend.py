@@ -2,20 +2,20 @@
 
 Where the graph comes from, in order: ``<checkpoint>/model.onnx``, ``<checkpoint>/onnx/model.onnx`` (what
 ``relserve export CKPT CKPT/onnx`` writes), else ``<onnx_cache_dir>/<checkpoint sha256>/model.onnx``, exported
-there on first load (:mod:`relserve.models.export`; written to a temporary directory and renamed, so a
+there on first load (:mod:`relserve.models.onnx.export`; written to a temporary directory and renamed, so a
 crashed export never leaves a half graph in the cache).
 
 Providers: CUDA first when the model's device allows it (``auto`` / ``cuda[:N]``) and both ONNX Runtime and
 torch see a CUDA device, else CPU. The provider the session really got is what ``ModelMeta.device`` says
 (e.g. ``CPUExecutionProvider``, ``CUDAExecutionProvider:0``), so ListModels and ``relserve_model_info`` show
 it. Inputs and outputs go through IO binding as torch tensors on the session's device
-(:func:`relserve.models.ort_session.run_bound`): on CUDA no extra host copy, and the CPU runs the same code.
+(:func:`relserve.models.onnx.runtime.run_bound`): on CUDA no extra host copy, and the CPU runs the same code.
 The same loading rules serve translation graphs (:mod:`.translation_onnx`).
 
 At load the graph and the torch checkpoint run the warm-up batch (a short sequence and a full-length one);
 when they differ by more than ``onnx_parity_tolerance`` the model is refused with :class:`GraphMismatch`.
 Custom ops run as the graph's portable functions, or as native kernels when the library built by
-``make onnx-native`` exists (``models/onnx_native/build/librelserve_onnx_ops.so``).
+``make onnx-native`` exists (``models/onnx/native/build/librelserve_onnx_ops.so``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from .padding import pad_batch
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-NATIVE_LIBRARY = Path(__file__).resolve().parents[2] / "models" / "onnx_native" / "build" / "librelserve_onnx_ops.so"
+NATIVE_LIBRARY = Path(__file__).resolve().parents[2] / "models" / "onnx" / "native" / "build" / "librelserve_onnx_ops.so"
 
 
 class GraphMismatch(RuntimeError):
@@ -104,7 +104,7 @@ def _export_into(cache: Path, export: Callable[[Path], None]) -> None:
 def _check_report(config: ModelConfig, d: Path, digest: str) -> None:
     """Refuse graphs whose ``export_report.json`` names another checkpoint hash (the parity self-check only
     sees the warm-up inputs, so weights that differ elsewhere could pass it)."""
-    from relserve.models.export import REPORT_NAME
+    from relserve.models.onnx.runtime import REPORT_NAME
 
     try:
         recorded = json.loads((d / REPORT_NAME).read_text(encoding="utf-8")).get("checkpoint_sha256")
@@ -120,7 +120,7 @@ def _check_report(config: ModelConfig, d: Path, digest: str) -> None:
 def check_graph_origin(config: ModelConfig, session, graph: Path, digest: str) -> None:
     """Refuse a graph whose metadata (``relserve.checkpoint_sha256``, written by ``relserve export``) names
     another checkpoint: exact, whatever the weights differ in. Graphs without it rely on the parity check."""
-    from relserve.models.export import METADATA_CHECKPOINT
+    from relserve.models.onnx.runtime import METADATA_CHECKPOINT
 
     recorded = session.get_modelmeta().custom_metadata_map.get(METADATA_CHECKPOINT)
     if not recorded:
@@ -160,7 +160,7 @@ def load_graphs(config: ModelConfig, names: Sequence[str], export: Callable[[Pat
     ``export_report.json`` records another checkpoint hash, is refused with advice to re-export. A cache entry
     that is incomplete, unreadable or mismatching is deleted and exported again, once.
     """
-    from relserve.models.export import checkpoint_hash
+    from relserve.models.checkpoint import checkpoint_hash
 
     path = Path(config.path)
     digest = checkpoint_hash(path)
@@ -250,7 +250,8 @@ class OnnxBackend:
 
     def load(self) -> ModelMeta:
         from relserve.models.checkpoint import load_checkpoint
-        from relserve.models.export import GRAPH_NAME, export_checkpoint, graph_io_names, make_session
+        from relserve.models.onnx.export import export_checkpoint, graph_io_names
+        from relserve.models.onnx.runtime import GRAPH_NAME, make_session
 
         name = self.config.name
         if self.config.dtype != "float32":
@@ -356,7 +357,7 @@ class OnnxBackend:
         CPU and CUDA, so the CPU tests exercise it)."""
         import torch
 
-        from relserve.models.ort_session import run_bound
+        from relserve.models.onnx.runtime import run_bound
 
         dev = torch.device(self.device)
         B, T = feeds["input_ids"].shape

@@ -1,7 +1,7 @@
 """ONNX Runtime step backend for RNNsearch translation checkpoints (``backend: onnx``).
 
 The same step contract and beam bookkeeping as :class:`TorchTranslationBackend`; only the model differs: an
-:class:`relserve.models.ort_rnnsearch.OrtRNNSearch` over ``encoder.onnx`` + ``decoder_step.onnx``, found or
+:class:`relserve.models.onnx.runtime.OrtRNNSearch` over ``encoder.onnx`` + ``decoder_step.onnx``, found or
 exported on first load by the rules of :mod:`.onnx_backend` (checkpoint dir, its ``onnx/`` folder, else the
 export cache keyed by checkpoint hash). At load, the graphs and the torch checkpoint encode the warm-up
 sources and take one decoder step; a difference above ``onnx_parity_tolerance`` refuses the model
@@ -35,9 +35,11 @@ class OnnxTranslationBackend(TorchTranslationBackend):
         self.parity_diff: float | None = None
 
     def load(self) -> ModelMeta:
-        from relserve.models.export_translation import DECODER_GRAPH, ENCODER_GRAPH, export_translation_checkpoint
-        from relserve.models.ort_rnnsearch import OrtRNNSearch
-        from relserve.models.translation_checkpoint import encoder_kind, load_translation_checkpoint
+        from relserve.models.onnx.export_rnnsearch import export_translation_checkpoint
+        from relserve.models.onnx.runtime import DECODER_GRAPH, ENCODER_GRAPH
+        from relserve.models.onnx.runtime import OrtRNNSearch
+        from relserve.models.checkpoint import load_translation_checkpoint
+        from relserve.models.rnnsearch import encoder_kind
 
         name = self.config.name
         if self.config.dtype != "float32":
@@ -80,7 +82,7 @@ class OnnxTranslationBackend(TorchTranslationBackend):
         """Encoder outputs and one decoder step vs torch: a short source and one that strides through the
         whole source vocabulary; hypotheses whose previous tokens stride through the target vocabulary (so
         the check reads embedding rows everywhere, not just a few)."""
-        from relserve.models.export_translation import step_api_diff
+        from relserve.models.onnx.runtime import step_api_diff
 
         cfg = self.model_config
         v, eos, pad = int(cfg.src_vocab_size), int(cfg.eos_token_id), int(cfg.pad_token_id)

@@ -8,7 +8,7 @@ sequence decodes the same whatever else is in the step. Rows with NaN log-probab
 own sequence. Everything returned is plain Python / numpy.
 
 ``loader`` is a seam for tests: ``(path, device=, dtype=) -> (model, config, tokenizer)``; default
-``relserve.models.translation_checkpoint.load_translation_checkpoint``.
+``relserve.models.checkpoint.load_translation_checkpoint``.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class TorchTranslationBackend:
     def load(self) -> ModelMeta:
         loader = self._loader
         if loader is None:
-            from relserve.models.translation_checkpoint import load_translation_checkpoint as loader
+            from relserve.models.checkpoint import load_translation_checkpoint as loader
         self.device = resolve_device(self.config.name, self.config.device)
         check_dtype_for_device(self.config.name, self.config.dtype, self.device)
         self.model, self.model_config, self.tokenizer = loader(self.config.path, device=self.device, dtype=self.dtype)

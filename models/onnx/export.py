@@ -1,0 +1,374 @@
+"""ONNX export of DeBERTa-style classification and QA checkpoints, with a parity report against torch.
+
+    relserve export CHECKPOINT_DIR OUT_DIR [--opset 18] [--no-parity]
+
+writes ``OUT_DIR/model.onnx`` and ``OUT_DIR/export_report.json`` (the command line is
+:mod:`relserve.models.onnx.cli`; a translation checkpoint, ``model_type`` "rnnsearch", goes to
+:mod:`relserve.models.onnx.export_rnnsearch`: an encoder and a decoder-step graph).
+The graph:
+
+* comes from the dynamo exporter (``torch.onnx.export(..., dynamo=True)``) traced on a 2 x 8-token sample
+  with dynamic ``batch`` and ``sequence`` axes; no sequence-length maths is frozen (case C01);
+* carries the relative-position work as ``com.relserve`` nodes (:mod:`relserve.models.onnx.ops`), each with a
+  model-local FunctionProto so stock ONNX Runtime runs it with no extra library;
+* has exactly the inputs the model uses: ``input_ids``, ``attention_mask`` and, only when
+  ``type_vocab_size > 0``, ``token_type_ids`` (case C02); outputs ``logits`` (classification) or
+  ``start_logits`` / ``end_logits`` (QA);
+* passes ``onnx.checker.check_model(full_check=True)``.
+
+The parity report runs the graph on ONNX Runtime (CPU) and the torch model on the same inputs: batches of
+1, 2 and 4 at several lengths, including lengths past the log-bucket threshold (``position_buckets // 2``)
+and 300 tokens, and one padded batch of all lengths; the maximum absolute difference over real tokens is
+recorded per case against a tolerance of 1e-4.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..checkpoint import checkpoint_hash, load_checkpoint
+from ..deberta import DebertaConfig
+from . import ops as onnx_ops
+from .runtime import EXPORT_VERSION, GRAPH_NAME, METADATA_CHECKPOINT, REPORT_NAME, make_session
+DEFAULT_OPSET = 18
+PARITY_TOLERANCE = 1e-4
+SAMPLE_BATCH, SAMPLE_LENGTH = 2, 8
+
+__all__ = [
+    "GRAPH_NAME",
+    "REPORT_NAME",
+    "ExportResult",
+    "graph_io_names",
+    "export_model",
+    "export_checkpoint",
+    "parity_report",
+]
+
+
+@dataclass
+class ExportResult:
+    graph: str  # path of model.onnx
+    inputs: list[str]
+    outputs: list[str]
+    report: dict[str, Any]
+
+
+def graph_io_names(config: DebertaConfig, task: str) -> tuple[list[str], list[str]]:
+    """The graph's input and output names for a model: only the inputs it uses (C02)."""
+    inputs = ["input_ids", "attention_mask"] + (["token_type_ids"] if config.type_vocab_size > 0 else [])
+    outputs = ["logits"] if task == "classification" else ["start_logits", "end_logits"]
+    return inputs, outputs
+
+
+class _WithTypes(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, token_type_ids):
+        return self.model(input_ids, attention_mask, token_type_ids)
+
+
+class _WithoutTypes(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids, attention_mask)
+
+
+def _max_length(config: DebertaConfig) -> int | None:
+    return config.max_position_embeddings if config.position_biased_input else None
+
+
+_EXPORTER_LOGGERS = ("torch.onnx", "onnxscript", "onnx_ir")  # "torchvision is not installed", pass-by-pass INFO
+
+
+def max_opset() -> int:
+    """The newest opset both torch's exporter declares (``torch.onnx._constants.ONNX_MAX_OPSET``) and the
+    installed onnx knows; asking the exporter for more silently yields its own base opset."""
+    import onnx
+
+    top = onnx.defs.onnx_opset_version()
+    try:
+        from torch.onnx import _constants
+
+        top = min(top, int(_constants.ONNX_MAX_OPSET))
+    except (ImportError, AttributeError):  # pragma: no cover - a torch without the constant
+        pass
+    return top
+
+
+def check_opset(opset: int) -> None:
+    """Raises ``ValueError`` unless 17 <= ``opset`` <= :func:`max_opset`."""
+    top = max_opset()
+    if not 17 <= opset <= top:
+        raise ValueError(f"opset {opset}: need 17..{top} (17 for LayerNormalization; {top} is the newest torch's "
+                         f"exporter supports)")
+
+
+def graph_opset(proto) -> int:
+    """The ai.onnx opset a ModelProto imports."""
+    return next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
+
+
+def dynamo_export(module: nn.Module, sample: dict[str, torch.Tensor], outputs: list[str], dynamic: dict, opset: int,
+                  table: dict | None = None, metadata: dict[str, str] | None = None):
+    """``torch.onnx.export(dynamo=True)`` of ``module(**sample)`` with our custom-op translations (plus
+    ``table``), exporter chatter silenced, model-local functions added; returns the ModelProto.
+
+    Raises:
+        ValueError: an opset outside 17..newest, or one the exporter could not produce.
+        RuntimeError: the graph's inputs are not ``list(sample)``.
+    """
+    check_opset(opset)
+    onnx_ops.register_schemas()
+    loggers = [logging.getLogger(n) for n in _EXPORTER_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(module, (), kwargs=sample, dynamo=True, input_names=list(sample),
+                                        output_names=outputs, dynamic_shapes=dynamic, opset_version=opset,
+                                        custom_translation_table={**onnx_ops.custom_translation_table(),
+                                                                  **(table or {})},
+                                        verbose=False, optimize=True)
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+    proto = program.model_proto
+    if graph_opset(proto) != opset:
+        raise ValueError(f"the exporter produced opset {graph_opset(proto)}, not the requested {opset} "
+                         f"(some op has no opset-{opset} form); use --opset {graph_opset(proto)}")
+    onnx_ops.add_local_functions(proto)
+    for key, value in (metadata or {}).items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = key, str(value)
+    got = [i.name for i in proto.graph.input]
+    if got != list(sample):
+        raise RuntimeError(f"exported graph inputs {got} differ from the declared {list(sample)}")
+    return proto
+
+
+def export_model(
+    model: nn.Module,
+    config: DebertaConfig,
+    task: str,
+    path: str | os.PathLike,
+    *,
+    opset: int = DEFAULT_OPSET,
+    check: bool = True,
+    metadata: dict[str, str] | None = None,
+):
+    """Export ``model`` (ours, any device; exported on CPU in float32) to ``path``; returns the ModelProto.
+    ``metadata`` goes into the graph's ``metadata_props``.
+
+    Raises:
+        ValueError: an opset outside 17..newest (see :func:`dynamo_export`).
+    """
+    import onnx
+
+    inputs, outputs = graph_io_names(config, task)
+    model = model.to("cpu", torch.float32).eval()
+    wrapper = (_WithTypes(model) if "token_type_ids" in inputs else _WithoutTypes(model)).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, max(6, config.vocab_size), (SAMPLE_BATCH, SAMPLE_LENGTH), generator=g)
+    sample = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if "token_type_ids" in inputs:
+        sample["token_type_ids"] = torch.zeros_like(ids)
+    batch = torch.export.Dim("batch", min=1, max=1 << 16)
+    seq = torch.export.Dim("sequence", min=1, max=_max_length(config) or (1 << 16))
+    dynamic = {name: {0: batch, 1: seq} for name in inputs}
+    proto = dynamo_export(wrapper, sample, outputs, dynamic, opset, metadata=metadata)
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    onnx.save_model(proto, path)
+    if check:
+        onnx.checker.check_model(path, full_check=True)
+    return proto
+
+
+def _case_inputs(config: DebertaConfig, inputs: list[str], lengths: list[int], seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    T = max(lengths)
+    ids = np.zeros((len(lengths), T), dtype=np.int64)
+    mask = np.zeros((len(lengths), T), dtype=np.int64)
+    for b, n in enumerate(lengths):
+        ids[b, :n] = rng.integers(5, max(6, config.vocab_size), n)
+        mask[b, :n] = 1
+    feeds = {"input_ids": ids, "attention_mask": mask}
+    if "token_type_ids" in inputs:
+        tt = np.zeros_like(ids)
+        for b, n in enumerate(lengths):
+            tt[b, n // 2 : n] = 1
+        feeds["token_type_ids"] = tt
+    return feeds
+
+
+def _torch_outputs(model: nn.Module, feeds: dict[str, np.ndarray], task: str) -> list[np.ndarray]:
+    p = next(model.parameters())
+    with torch.inference_mode():
+        out = model(*(torch.from_numpy(feeds[k]).to(p.device) for k in feeds))
+    outs = [out] if task == "classification" else list(out)
+    return [o.float().cpu().numpy() for o in outs]
+
+
+def _max_diff(a: list[np.ndarray], b: list[np.ndarray], lengths: list[int], task: str) -> float:
+    worst = 0.0
+    for x, y in zip(a, b):
+        for i, n in enumerate(lengths):  # real tokens only: padded QA positions mean nothing
+            xi, yi = (x[i], y[i]) if task == "classification" else (x[i, :n], y[i, :n])
+            worst = max(worst, float(np.max(np.abs(xi - yi))))
+    return worst
+
+
+def parity_cases(config: DebertaConfig) -> list[list[int]]:
+    """Lengths per case: single sequences of 3 and 40 tokens, past the log-bucket threshold and at 300, batches
+    of 2 and 4, and a padded batch of all lengths (C01). Capped at the model's maximum length."""
+    cap = _max_length(config) or 100_000
+    lengths = [3, 40]
+    if config.position_buckets > 0:
+        lengths.append(config.position_buckets // 2 + 9)  # first log buckets
+    lengths.append(300)
+    lengths = sorted({min(n, cap) for n in lengths})
+    cases = [[n] for n in lengths]
+    cases += [[40, 40], [17, 17, 17, 17]]
+    cases.append(list(reversed(lengths)))  # padded batch of all
+    return cases
+
+
+def parity_report(path: str | os.PathLike, model: nn.Module, config: DebertaConfig, task: str, *,
+                  session=None, tolerance: float = PARITY_TOLERANCE,
+                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Graph (ONNX Runtime) vs torch on :func:`parity_cases`; ``{"passed", "tolerance", "cases": [...]}``."""
+    session = session or make_session(path)
+    inputs = [i.name for i in session.get_inputs()]
+    cases = []
+    for k, lengths in enumerate(parity_cases(config)):
+        feeds = _case_inputs(config, inputs, lengths, seed=k)
+        t0 = time.perf_counter()
+        got = session.run(None, feeds)
+        t_ort = time.perf_counter() - t0
+        want = _torch_outputs(model, feeds, task)
+        diff = _max_diff(got, want, lengths, task)
+        cases.append({"batch": len(lengths), "lengths": lengths, "max_abs_diff": diff,
+                      "passed": bool(diff <= tolerance), "ort_seconds": round(t_ort, 4)})
+        if progress:
+            progress(f"  parity batch={len(lengths)} lengths={lengths}: max |diff| {diff:.2e} "
+                     f"{'ok' if diff <= tolerance else 'FAIL'}")
+    return {"passed": all(c["passed"] for c in cases), "tolerance": tolerance,
+            "providers": list(session.get_providers()), "cases": cases}
+
+
+class ExportParityError(RuntimeError):
+    """The exported graph(s) differ from torch beyond the tolerance; the staging folder is kept for inspection."""
+
+
+STAGING_PREFIX = ".export-"
+
+
+@contextlib.contextmanager
+def staged_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
+    """A fresh hidden folder inside ``out_dir`` to export into. Its files replace those of ``out_dir`` only when
+    the block succeeds, so a failed export never leaves a mix of old and new graphs that a server would pick
+    up. On :class:`ExportParityError` the folder stays for inspection (the error names it); on any other
+    failure it is removed. A successful export also removes folders left by earlier failed ones."""
+    final = Path(out_dir)
+    final.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=final))
+    try:
+        yield tmp
+    except ExportParityError:
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for f in sorted(tmp.iterdir()):
+        os.replace(f, final / f.name)
+    tmp.rmdir()
+    for old in final.glob(STAGING_PREFIX + "*"):
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, opset: int = DEFAULT_OPSET,
+                      parity: bool = True, progress: Callable[[str], None] | None = print,
+                      loaded=None) -> ExportResult:
+    """Load a checkpoint, export it to ``out_dir/model.onnx``, check it, write ``export_report.json``.
+
+    The graph records the checkpoint's hash (:func:`checkpoint_hash`) in its metadata
+    (``relserve.checkpoint_sha256``), so a server can tell whose weights it carries. Files are written through
+    :func:`staged_dir`. ``loaded`` may pass an already loaded ``LoadedCheckpoint`` (the server's ONNX backend
+    does).
+
+    Raises:
+        relserve.models.checkpoint.CheckpointError: the checkpoint cannot be loaded.
+        ValueError: an opset outside what the exporter can produce.
+        RuntimeError: the parity check failed (graph and report are left in the staging folder it names;
+            ``out_dir`` is unchanged).
+    """
+    check_opset(opset)
+    say = progress or (lambda _m: None)
+    t0 = time.perf_counter()
+    if loaded is None:
+        say(f"[1/4] loading {checkpoint_dir}")
+        loaded = load_checkpoint(checkpoint_dir, load_tokenizer=False)
+    model, config, task = loaded.model, loaded.config, loaded.task
+    model = model.to("cpu", torch.float32).eval()
+    digest = checkpoint_hash(checkpoint_dir, EXPORT_VERSION)
+    with staged_dir(out_dir) as out:
+        say(f"[2/4] exporting {task} model ({config.num_hidden_layers} layers, hidden {config.hidden_size}) "
+            f"with the dynamo exporter, opset {opset}")
+        t1 = time.perf_counter()
+        graph = out / GRAPH_NAME
+        proto = export_model(model, config, task, graph, opset=opset, check=False,
+                             metadata={METADATA_CHECKPOINT: digest})
+        t_export = time.perf_counter() - t1
+        say(f"[3/4] onnx.checker.check_model(full_check=True) on {GRAPH_NAME}")
+        import onnx
+
+        onnx.checker.check_model(os.fspath(graph), full_check=True)
+        inputs, outputs = graph_io_names(config, task)
+        custom = sorted({n.op_type for n in proto.graph.node if n.domain == onnx_ops.DOMAIN})
+        report: dict[str, Any] = {
+            "checkpoint": os.fspath(checkpoint_dir),
+            "checkpoint_sha256": digest,
+            "export_version": EXPORT_VERSION,
+            "task": task,
+            "opset": opset,
+            "inputs": inputs,
+            "outputs": outputs,
+            "dynamic_axes": {"batch": 0, "sequence": 1},
+            "custom_domain": onnx_ops.DOMAIN,
+            "custom_ops": custom,
+            "graph_bytes": graph.stat().st_size,
+            "export_seconds": round(t_export, 2),
+        }
+        if parity:
+            say("[4/4] parity against torch (ONNX Runtime CPU, portable custom-op functions)")
+            report["parity"] = parity_report(graph, model, config, task, progress=say)
+        report["total_seconds"] = round(time.perf_counter() - t0, 2)
+        (out / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        if parity and not report["parity"]["passed"]:
+            raise ExportParityError(f"exported graph differs from torch by more than {PARITY_TOLERANCE}; {out_dir} "
+                                    f"is unchanged, the graph and {REPORT_NAME} are in {out}")
+    final = Path(out_dir)
+    say(f"wrote {final / GRAPH_NAME} and {final / REPORT_NAME}")
+    return ExportResult(graph=os.fspath(final / GRAPH_NAME), inputs=inputs, outputs=outputs, report=report)

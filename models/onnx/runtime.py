@@ -1,0 +1,232 @@
+"""Running exported graphs on ONNX Runtime: the session factory, IO binding, and RNNsearch's step API.
+
+* :func:`make_session` opens a graph (portable functions; the native kernel library when given; T5 bias nodes
+  re-homed to ``com.microsoft.RelativePositionBias`` when CUDA is asked for).
+* :func:`run_bound` binds every input and every (pre-allocated) output of a session by device pointer, so a
+  graph on the CUDA execution provider reads and writes torch's CUDA memory with no host round trip, and on the
+  CPU provider writes straight into torch tensors (no copy of the outputs). The same code runs on both, so the
+  CPU tests exercise the binding path the CUDA provider uses.
+* :class:`OrtRNNSearch` has the methods search code uses on :class:`relserve.models.rnnsearch.RNNSearch`
+  (``config``, ``encode``, ``decode_step``, ``eval``), with torch tensors in and out, so
+  :mod:`relserve.models.decoding` and the server's decode loop run on it unchanged; on the CUDA provider the
+  encoder state never leaves the device between steps. :func:`step_api_diff` compares two such models.
+
+The graph file names and metadata keys the exporters write are defined here, so this module imports no
+exporter.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import ops
+from ..rnnsearch import EncoderState, RNNSearchConfig, check_source_mask
+
+GRAPH_NAME = "model.onnx"
+ENCODER_GRAPH = "encoder.onnx"
+DECODER_GRAPH = "decoder_step.onnx"
+REPORT_NAME = "export_report.json"
+EXPORT_VERSION = "1"  # layout of the exported graphs; part of the cache key: bump when it changes
+METADATA_CHECKPOINT = "relserve.checkpoint_sha256"  # graph metadata: the hash of the checkpoint it came from
+
+
+def make_session(path: str | os.PathLike, providers: Sequence = ("CPUExecutionProvider",),
+                 intra_op_threads: int = 0, graph_optimization: str = "all", native_library: str | None = None):
+    """An ONNX Runtime session for an exported graph (portable functions; ``native_library`` registers the
+    custom-op kernels of ``models/onnx/native`` when given).
+
+    When ``providers`` ask for CUDA and the graph has T5 bias nodes, they are first re-homed to ONNX Runtime's
+    CUDA kernel (:func:`relserve.models.ops.to_cuda_contrib_ops`); if that session cannot be created or
+    does not get the CUDA provider (ORT falls back to CPU silently when CUDA cannot start), the graph as
+    exported is used."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    if intra_op_threads:
+        opts.intra_op_num_threads = int(intra_op_threads)
+    opts.graph_optimization_level = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }[graph_optimization]
+    if native_library:
+        opts.register_custom_ops_library(os.fspath(native_library))
+    providers = list(providers)
+    wants_cuda = any((p[0] if isinstance(p, tuple) else p) == "CUDAExecutionProvider" for p in providers)
+    if wants_cuda:
+        import onnx
+
+        proto = onnx.load(os.fspath(path))
+        if ops.to_cuda_contrib_ops(proto):
+            try:
+                session = ort.InferenceSession(proto.SerializeToString(), sess_options=opts, providers=providers)
+                if "CUDAExecutionProvider" in session.get_providers():
+                    return session
+            except Exception as exc:  # e.g. CUDA unusable: the contrib op has no CPU kernel
+                logging.getLogger(__name__).info("CUDA contrib RelativePositionBias not usable (%s); running the "
+                                                 "graph as exported", str(exc).splitlines()[0])
+    return ort.InferenceSession(os.fspath(path), sess_options=opts, providers=providers)
+
+
+_ELEMENT_TYPES = {
+    torch.float32: np.float32,
+    torch.float16: np.float16,
+    torch.float64: np.float64,
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.bool: np.bool_,
+}
+
+__all__ = ["run_bound"]
+
+
+def _where(t: Tensor) -> tuple[str, int]:
+    if t.device.type == "cuda":
+        return "cuda", int(t.device.index or 0)
+    if t.device.type == "cpu":
+        return "cpu", 0
+    raise ValueError(f"ONNX Runtime binding: unsupported device {t.device}")
+
+
+def run_bound(session, inputs: Mapping[str, Tensor], outputs: Mapping[str, Tensor]) -> None:
+    """Run ``session`` with every input and output bound to a torch tensor's memory (shapes and dtypes must
+    be exactly the graph's; outputs are written in place).
+
+    Raises:
+        ValueError: a tensor of an unsupported dtype or device.
+        onnxruntime's errors for a shape or type the graph does not accept.
+    """
+    io = session.io_binding()
+    keep = []  # contiguous copies must outlive the run
+    for name, t in inputs.items():
+        t = t.contiguous()
+        keep.append(t)
+        kind, index = _where(t)
+        if t.dtype not in _ELEMENT_TYPES:
+            raise ValueError(f"input {name!r}: dtype {t.dtype} cannot be bound")
+        io.bind_input(name, kind, index, _ELEMENT_TYPES[t.dtype], tuple(t.shape), t.data_ptr())
+    for name, t in outputs.items():
+        if not t.is_contiguous():
+            raise ValueError(f"output {name!r} must be contiguous")
+        kind, index = _where(t)
+        if t.dtype not in _ELEMENT_TYPES:
+            raise ValueError(f"output {name!r}: dtype {t.dtype} cannot be bound")
+        io.bind_output(name, kind, index, _ELEMENT_TYPES[t.dtype], tuple(t.shape), t.data_ptr())
+    session.run_with_iobinding(io)
+    if any(_where(t)[0] == "cuda" for t in outputs.values()):
+        io.synchronize_outputs()
+
+
+class OrtRNNSearch:
+    """RNNsearch on ONNX Runtime: ``graph_dir`` holds ``encoder.onnx`` and ``decoder_step.onnx``.
+
+    ``device`` is where tensors live (``"cpu"`` or ``"cuda:N"``, matching ``providers``); float32 only.
+
+    Raises (constructor):
+        FileNotFoundError: a graph is missing.
+    """
+
+    def __init__(self, graph_dir: str | os.PathLike, config: RNNSearchConfig, *,
+                 providers: Sequence = ("CPUExecutionProvider",), intra_op_threads: int = 0,
+                 graph_optimization: str = "all", native_library: str | None = None, device: str = "cpu") -> None:
+        self.config = config
+        self.device = torch.device(device)
+        d = Path(graph_dir)
+        for name in (ENCODER_GRAPH, DECODER_GRAPH):
+            if not (d / name).is_file():
+                raise FileNotFoundError(f"{d / name}: missing (export the checkpoint with `relserve export`)")
+        kwargs = dict(providers=providers, intra_op_threads=intra_op_threads, graph_optimization=graph_optimization,
+                      native_library=native_library)
+        self._mask_cache: tuple[Tensor, Tensor] | None = None
+        self.encoder_session = make_session(d / ENCODER_GRAPH, **kwargs)
+        self.decoder_session = make_session(d / DECODER_GRAPH, **kwargs)
+
+    def _long_mask(self, mask: Tensor) -> Tensor:
+        """The graph's Int64 mask; a decode loop passes the same stacked mask step after step, so it is
+        converted once per stack, not once per step."""
+        if self._mask_cache is None or self._mask_cache[0] is not mask:
+            self._mask_cache = (mask, mask.to(self.device).long())
+        return self._mask_cache[1]
+
+    @property
+    def providers(self) -> list[str]:
+        return list(self.encoder_session.get_providers())
+
+    def eval(self) -> "OrtRNNSearch":
+        return self
+
+    def encode(self, src_ids: Tensor, src_mask: Tensor) -> EncoderState:
+        """``src_ids`` Long[B,S], ``src_mask`` [B,S] (right-padded) -> ``EncoderState`` (as ``RNNSearch.encode``).
+
+        Raises:
+            ValueError: an empty source or a mask that is not right padding.
+        """
+        mask = check_source_mask(src_mask.to(self.device))
+        B, S = mask.shape
+        cfg = self.config
+        out = {
+            "annotations": torch.empty(B, S, cfg.annotation_size, device=self.device),
+            "projected_annotations": torch.empty(B, S, cfg.alignment_size, device=self.device),
+            "init_state": torch.empty(B, cfg.hidden_size, device=self.device),
+        }
+        run_bound(self.encoder_session, {"src_ids": src_ids.to(self.device, torch.long),
+                                         "src_mask": mask.long()}, out)
+        return EncoderState(out["annotations"], out["projected_annotations"], mask, out["init_state"])
+
+    def decode_step(self, state: EncoderState, source_index: Tensor | None, prev_tokens: Tensor,
+                    prev_hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """One decoder step (as ``RNNSearch.decode_step``): -> (log_probs Float[N,K_y], new_hidden Float[N,n],
+        alignment Float[N,S])."""
+        N = prev_tokens.shape[0]
+        if source_index is None:
+            source_index = (torch.zeros(N, dtype=torch.long) if state.num_sources == 1
+                            else torch.arange(N, dtype=torch.long))
+        cfg = self.config
+        dev = self.device
+        out = {
+            "log_probs": torch.empty(N, cfg.tgt_vocab_size, device=dev),
+            "new_hidden": torch.empty(N, cfg.hidden_size, device=dev),
+            "alignment": torch.empty(N, state.mask.shape[1], device=dev),
+        }
+        run_bound(self.decoder_session, {
+            "annotations": state.annotations.to(dev, torch.float32),
+            "projected_annotations": state.projected_annotations.to(dev, torch.float32),
+            "src_mask": self._long_mask(state.mask),
+            "source_index": source_index.to(dev, torch.long),
+            "prev_tokens": prev_tokens.to(dev, torch.long),
+            "prev_hidden": prev_hidden.to(dev, torch.float32),
+        }, out)
+        return out["log_probs"], out["new_hidden"], out["alignment"]
+
+
+def _diff(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)))) if a.size else 0.0
+
+
+@torch.inference_mode()
+def step_api_diff(reference, candidate, ids: Tensor, mask: Tensor, rows: Tensor, tokens: Tensor) -> tuple[float, float]:
+    """Max |difference| of two step-API models (``encode`` / ``decode_step``) on the same sources: (encoder
+    outputs over real positions, one decoder step whose hypotheses read source ``rows`` with previous
+    ``tokens`` from the reference's initial states). Used by the export report and the server's self-check."""
+    want = reference.encode(ids, mask)
+    got = candidate.encode(ids, mask)
+    lengths = mask.sum(dim=1).tolist()
+    enc = _diff(want.init_state.float().cpu().numpy(), got.init_state.float().cpu().numpy())
+    for name in ("annotations", "projected_annotations"):
+        w = getattr(want, name).float().cpu().numpy()
+        g = getattr(got, name).float().cpu().numpy()
+        for b, n in enumerate(lengths):
+            enc = max(enc, _diff(w[b, :n], g[b, :n]))
+    hidden = want.init_state.index_select(0, rows)
+    dec = max(_diff(a.float().cpu().numpy(), b.float().cpu().numpy())
+              for a, b in zip(reference.decode_step(want, rows, tokens, hidden),
+                              candidate.decode_step(want, rows, tokens, hidden)))
+    return enc, dec

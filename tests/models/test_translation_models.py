@@ -1,0 +1,293 @@
+"""Translation checkpoints, default de→en models, tokenizers and the training CLI (fast: tiny models)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from relserve.models.deberta import DebertaConfig
+from relserve.models.decoding import DecodeOptions, beam_search, greedy_search
+from relserve.models.checkpoint import (
+    TranslationCheckpointError,
+    load_translation_checkpoint,
+    save_translation_checkpoint,
+)
+from relserve.models.rnnsearch import RNNSearchConfig, build_translation_model
+from relserve.models.tokenization import TranslationTokenizer
+from relserve.models.training.translation import (
+    collate,
+    encode_pairs,
+    main as train_main,
+    pad_sources,
+    teacher_forced_logits,
+    translate,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+DEFAULTS = {
+    "bigru": REPO / "defaults" / "translate-de-en",
+    "deberta": REPO / "defaults" / "translate-de-en-deberta",
+}
+FALLBACK_PAIRS = [
+    ("Das Abendessen hat mir geschmeckt.", "I enjoyed my supper."),
+    ("Wollen wir zusammen zu Abend essen?", "Would you like to have dinner with me?"),
+    ("Ich habe keine Zeit.", "I have no time."),
+    ("Er ist gestern nach Hause gekommen.", "He came home yesterday."),
+]
+
+
+def _pairs(split: str, limit: int) -> list[tuple[str, str]]:
+    path = SHARED_DATA / "translation" / f"de_en_{split}.jsonl"
+    if not path.is_file():
+        return FALLBACK_PAIRS[:limit]
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                rows.append((r["source"], r["target"]))
+            if len(rows) >= limit:
+                break
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> TranslationTokenizer:
+    return TranslationTokenizer.from_dir(DEFAULTS["bigru"])
+
+
+def _tiny_model(tok: TranslationTokenizer, encoder: str, seed: int = 0):
+    torch.manual_seed(seed)
+    common = dict(
+        src_vocab_size=tok.source_vocab_size,
+        tgt_vocab_size=tok.target_vocab_size,
+        embedding_size=16,
+        hidden_size=12,
+        alignment_size=10,
+        maxout_size=8,
+    )
+    if encoder == "bigru":
+        return build_translation_model(RNNSearchConfig(**common)).eval()
+    enc = DebertaConfig(
+        vocab_size=tok.source_vocab_size,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        relative_attention=True,
+        position_buckets=8,
+        max_relative_positions=16,
+        pos_att_type=["c2p", "p2c"],
+        share_att_key=True,
+        norm_rel_ebd="layer_norm",
+        position_biased_input=False,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    cfg = RNNSearchConfig(encoder_type="external", annotation_size=16, **common)
+    return build_translation_model(cfg, enc).eval()
+
+
+def _batch(tok, pairs):
+    ex = encode_pairs(tok, pairs, 64)
+    return collate(ex, list(range(len(ex))), tok.pad_token_id, tok.bos_token_id)
+
+
+# --- tokenizer ----------------------------------------------------------------------------------------------
+
+
+def test_tokenizer_round_trip(tokenizer):
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+    pairs = _pairs("dev", 200)
+    ok = 0
+    for src, tgt in pairs:
+        ids = tokenizer.encode_source(src)
+        assert ids[-1] == tokenizer.eos_token_id and len(ids) >= 2
+        assert tokenizer.decode_source(ids).strip()
+        pieces = tokenizer.source_pieces(ids)
+        assert len(pieces) == len(ids) and pieces[-1] == "</s>"
+        t_ids = tokenizer.encode_target(tgt)
+        assert tokenizer.target_pieces(t_ids)[-1] == "</s>"
+        ok += tokenizer.decode_target(t_ids) == tgt
+    assert ok >= 0.98 * len(pairs)  # NFKC normalisation / unseen characters may change a rare sentence
+    # decode_target stops at EOS and drops pad/bos
+    ids = tokenizer.encode_target("I enjoyed my supper.")
+    assert tokenizer.decode_target([1] + ids + [5, 6, 0]) == "I enjoyed my supper."
+    assert tokenizer.encode_source("") == [tokenizer.eos_token_id]
+    assert len(tokenizer.encode_source("Das ist ein sehr langer Satz mit vielen Wörtern.", max_length=4)) == 4
+
+
+# --- checkpoint round trip ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("encoder", ["bigru", "deberta"])
+def test_checkpoint_round_trip(tmp_path, tokenizer, encoder):
+    model = _tiny_model(tokenizer, encoder)
+    out = save_translation_checkpoint(model, tokenizer, tmp_path / "ckpt")
+    files = sorted(p.name for p in Path(out).iterdir())
+    assert files == ["config.json", "model.safetensors", "source.spm", "target.spm"]
+    cfg = json.loads((Path(out) / "config.json").read_text())
+    assert cfg["model_type"] == "rnnsearch" and cfg["encoder_type"] == encoder
+    assert ("encoder_config" in cfg) == (encoder == "deberta")
+
+    loaded, config, tok2 = load_translation_checkpoint(out)
+    assert not loaded.training and config.to_dict() == model.config.to_dict()
+    pairs = _pairs("dev", 6)
+    src, mask, tgt_in, _ = _batch(tokenizer, pairs)
+    with torch.no_grad():
+        assert torch.equal(teacher_forced_logits(model, src, mask, tgt_in), teacher_forced_logits(loaded, src, mask, tgt_in))
+        assert torch.equal(model(src, mask, tgt_in), loaded(src, mask, tgt_in))
+    opts = DecodeOptions(beam_size=3, max_len_cap=12)
+    a = [h[0].tokens for h in beam_search(model, src, mask, opts)]
+    b = [h[0].tokens for h in beam_search(loaded, src, mask, opts)]
+    assert a == b
+    assert tok2.encode_source(pairs[0][0]) == tokenizer.encode_source(pairs[0][0])
+
+    # float16 storage: loading gives exactly the rounded weights
+    out16 = save_translation_checkpoint(model, tokenizer, tmp_path / "ckpt16", dtype=torch.float16)
+    loaded16, _, _ = load_translation_checkpoint(out16)
+    for (k, v), (k2, v2) in zip(model.state_dict().items(), loaded16.state_dict().items()):
+        assert k == k2 and v2.dtype == v.dtype
+        assert torch.equal(v.half().to(v.dtype), v2) if v.is_floating_point() else torch.equal(v, v2)
+
+
+def test_teacher_forcing_matches_model_forward(tokenizer):
+    model = _tiny_model(tokenizer, "bigru")
+    src, mask, tgt_in, _ = _batch(tokenizer, _pairs("train", 5))
+    with torch.no_grad():
+        torch.testing.assert_close(teacher_forced_logits(model, src, mask, tgt_in), model(src, mask, tgt_in))
+
+
+def test_bad_checkpoint_dirs(tmp_path, tokenizer):
+    with pytest.raises(TranslationCheckpointError, match="not a directory"):
+        load_translation_checkpoint(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TranslationCheckpointError, match="config.json: missing"):
+        load_translation_checkpoint(tmp_path / "empty")
+
+    good = Path(save_translation_checkpoint(_tiny_model(tokenizer, "bigru"), tokenizer, tmp_path / "good"))
+
+    def variant(name, edit_config=None, remove=None):
+        d = tmp_path / name
+        d.mkdir()
+        for p in good.iterdir():
+            if p.name != remove:
+                (d / p.name).write_bytes(p.read_bytes())
+        if edit_config:
+            cfg = json.loads((d / "config.json").read_text())
+            edit_config(cfg)
+            (d / "config.json").write_text(json.dumps(cfg))
+        return d
+
+    with pytest.raises(TranslationCheckpointError, match="model.safetensors: missing"):
+        load_translation_checkpoint(variant("noweights", remove="model.safetensors"))
+    with pytest.raises(TranslationCheckpointError, match="target.spm: missing"):
+        load_translation_checkpoint(variant("nospm", remove="target.spm"))
+    with pytest.raises(TranslationCheckpointError, match="model_type"):
+        load_translation_checkpoint(variant("mt", lambda c: c.update(model_type="deberta-v2")))
+    with pytest.raises(TranslationCheckpointError, match="encoder_type"):
+        load_translation_checkpoint(variant("et", lambda c: c.update(encoder_type="lstm")))
+    with pytest.raises(TranslationCheckpointError, match="encoder_config"):
+        load_translation_checkpoint(variant("ec", lambda c: c.update(encoder_type="deberta")))
+    with pytest.raises(TranslationCheckpointError, match="shape mismatch"):
+        load_translation_checkpoint(variant("shape", lambda c: c.update(maxout_size=6)))
+    with pytest.raises(TranslationCheckpointError, match="tgt_vocab_size"):
+        load_translation_checkpoint(variant("vocab", lambda c: c.update(tgt_vocab_size=100)))
+    bad = variant("badjson")
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(TranslationCheckpointError, match="cannot read JSON"):
+        load_translation_checkpoint(bad)
+    bad = variant("badst")
+    (bad / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(TranslationCheckpointError, match="safetensors"):
+        load_translation_checkpoint(bad)
+
+
+# --- the shipped defaults -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["bigru", "deberta"])
+def test_defaults_translate(name):
+    model, config, tok = load_translation_checkpoint(DEFAULTS[name])
+    assert config.model_type == "rnnsearch"
+    assert (model.config.encoder_type == "bigru") == (name == "bigru")
+    assert (DEFAULTS[name] / "README.md").is_file()
+    sources = [s for s, _ in _pairs("dev", 4)]
+    out = translate(model, tok, sources, beam_size=1)
+    assert len(out) == len(sources) and all(o.strip() for o in out)
+    out5 = translate(model, tok, sources[:2], beam_size=5)
+    assert all(o.strip() for o in out5)
+    # alignments come back over the real source pieces
+    src, mask = pad_sources([tok.encode_source(sources[0])], tok.pad_token_id)
+    hyp = greedy_search(model, src, mask, DecodeOptions(return_alignment=True))[0]
+    assert hyp.alignment.shape == (len(hyp.tokens), len(tok.source_pieces(src[0].tolist())))
+    torch.testing.assert_close(hyp.alignment.sum(-1), torch.ones(len(hyp.tokens)))
+
+
+def test_defaults_size_budget():
+    total = sum(p.stat().st_size for d in DEFAULTS.values() for p in d.iterdir())
+    assert total <= 30 * 2**20, f"defaults take {total / 2**20:.1f} MiB (budget 30 MiB)"
+
+
+# --- training CLI -------------------------------------------------------------------------------------------
+
+
+def _write_jsonl(path: Path, pairs) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        for s, t in pairs:
+            f.write(json.dumps({"source": s, "target": t}, ensure_ascii=False) + "\n")
+    return str(path)
+
+
+def _train_args(tmp_path: Path, train: str, run: str, steps: int, *extra: str) -> list[str]:
+    return [
+        "--train", train, "--out", str(tmp_path / run / "out"), "--state-dir", str(tmp_path / run / "state"),
+        "--tokenizer-from", str(DEFAULTS["bigru"]), "--embedding-size", "16", "--hidden-size", "16",
+        "--maxout-size", "8", "--dropout", "0.1", "--lr", "0.01", "--batch-tokens", "400",
+        "--max-steps", str(steps), "--eval-every", "0", "--seed", "3", "--no-progress", "--threads", "1",
+        "--save-dtype", "float32", *extra,
+    ]
+
+
+def _state(tmp_path: Path, run: str) -> dict:
+    return torch.load(tmp_path / run / "state" / "state.pt", weights_only=True)
+
+
+def test_training_smoke_and_resume(tmp_path):
+    train = _write_jsonl(tmp_path / "train.jsonl", _pairs("train", 50))
+    # straight run: 12 steps
+    assert train_main(_train_args(tmp_path, train, "a", 12)) == 0
+    losses = _state(tmp_path, "a")["losses"]
+    assert len(losses) == 12
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3  # loss decreases
+    model, _, tok = load_translation_checkpoint(tmp_path / "a" / "out")
+    assert model.config.embedding_size == 16
+
+    # interrupted run: 5 steps, then resume to 12 -> same step count and the same losses as the straight run
+    assert train_main(_train_args(tmp_path, train, "b", 5)) == 0
+    s = _state(tmp_path, "b")
+    assert s["step"] == 5 and len(s["losses"]) == 5
+    assert train_main(_train_args(tmp_path, train, "b", 12, "--resume")) == 0
+    s = _state(tmp_path, "b")
+    assert s["step"] == 12
+    assert s["losses"][:5] == losses[:5]
+    torch.testing.assert_close(torch.tensor(s["losses"]), torch.tensor(losses), rtol=1e-4, atol=1e-4)
+
+    with pytest.raises(SystemExit):
+        train_main(_train_args(tmp_path, train, "c", 3, "--resume"))  # nothing to resume
+
+
+def test_training_deberta_encoder_smoke(tmp_path):
+    """The DeBERTa-style encoder trains (its relative-attention custom op is routed to a differentiable kernel)."""
+    train = _write_jsonl(tmp_path / "train.jsonl", _pairs("train", 20))
+    args = _train_args(tmp_path, train, "d", 3, "--encoder", "deberta", "--deberta-hidden", "16",
+                       "--deberta-layers", "1", "--deberta-heads", "2", "--deberta-intermediate", "32")
+    assert train_main(args) == 0
+    s = _state(tmp_path, "d")
+    assert s["step"] == 3 and all(x == x for x in s["losses"])  # finite, not NaN
+    model, _, _ = load_translation_checkpoint(tmp_path / "d" / "out")
+    assert type(model.encoder).__name__ == "DebertaAnnotationEncoder"

@@ -1,0 +1,258 @@
+"""ONNX export of tiny random checkpoints: parity of the graph (ONNX Runtime CPU, portable custom-op functions)
+with our torch model and with the transformers DebertaV2 oracle, for a v3-style classifier (C01, C02) and a
+v2-style QA model with token types; the T5-bias configuration; graph structure (custom-domain nodes, local
+functions, declared inputs only, dynamic axes); the ``relserve export`` CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+transformers = pytest.importorskip("transformers")
+from transformers import DebertaV2Config, DebertaV2ForQuestionAnswering, DebertaV2ForSequenceClassification  # noqa: E402
+
+from relserve.models.onnx import ops as onnx_ops  # noqa: E402
+from relserve.models.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from relserve.models.deberta import DebertaConfig  # noqa: E402
+from relserve.models.deberta import DebertaForSequenceClassification  # noqa: E402
+from relserve.models.onnx.export import export_checkpoint
+from relserve.models.onnx.runtime import make_session  # noqa: E402
+from relserve.service.backends.onnx_backend import OnnxBackend  # noqa: E402
+from relserve.service.backends.torch_backend import TorchBackend  # noqa: E402
+from relserve.service.config import ModelConfig  # noqa: E402
+
+TOL = 1e-4
+COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+V3 = dict(COMMON, relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=256, max_relative_positions=-1,
+          share_att_key=True, norm_rel_ebd="layer_norm", position_biased_input=False, type_vocab_size=0,
+          max_position_embeddings=512)
+V2 = dict(COMMON, relative_attention=True, pos_att_type="p2c|c2p", position_buckets=-1, max_relative_positions=64,
+          share_att_key=False, norm_rel_ebd="none", position_biased_input=True, type_vocab_size=2,
+          max_position_embeddings=640, conv_kernel_size=3, conv_act="gelu", embedding_size=24)
+
+
+def _randomise(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn(p.shape, generator=g))
+            elif "embeddings" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+
+
+def _hf_checkpoint(root, cls, cfg, seed, tokenizer_dir=None):
+    hf = cls(DebertaV2Config(**cfg)).eval()
+    _randomise(hf, seed)
+    hf.save_pretrained(root)
+    if tokenizer_dir is not None:
+        for f in tokenizer_dir.iterdir():
+            shutil.copy(f, root / f.name)
+    return hf
+
+
+def _vocab(tokenizer_dir) -> int:
+    return len(json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
+
+
+@pytest.fixture(scope="module")
+def v3(unigram_tokenizer_dir, tmp_path_factory):
+    """C01's model: a v3-style classifier (position_buckets 256, no token types), exported from 8 tokens."""
+    root = tmp_path_factory.mktemp("v3")
+    hf = _hf_checkpoint(root, DebertaV2ForSequenceClassification, dict(V3, vocab_size=_vocab(unigram_tokenizer_dir),
+                                                                       num_labels=3), 0, unigram_tokenizer_dir)
+    result = export_checkpoint(root, root / "onnx", progress=None)
+    return hf, root, result
+
+
+@pytest.fixture(scope="module")
+def v2qa(tmp_path_factory):
+    root = tmp_path_factory.mktemp("v2qa")
+    hf = _hf_checkpoint(root, DebertaV2ForQuestionAnswering, dict(V2, vocab_size=97), 1)
+    return hf, root, export_checkpoint(root, root / "onnx", progress=None)
+
+
+def _batch(lengths, vocab, seed, types=False):
+    g = np.random.default_rng(seed)
+    T = max(lengths)
+    ids = np.zeros((len(lengths), T), dtype=np.int64)
+    mask = np.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        ids[b, :n] = g.integers(5, vocab, n)
+        mask[b, :n] = 1
+    feeds = {"input_ids": ids, "attention_mask": mask}
+    if types:
+        feeds["token_type_ids"] = (np.arange(T)[None, :] >= np.array(lengths)[:, None] // 2).astype(np.int64) * mask
+    return feeds
+
+
+def _hf(hf, feeds):
+    with torch.no_grad():
+        out = hf(**{k: torch.from_numpy(v) for k, v in feeds.items()})
+    return [out.logits.numpy()] if hasattr(out, "logits") else [out.start_logits.numpy(), out.end_logits.numpy()]
+
+
+def _ours(model, feeds):
+    with torch.inference_mode():
+        out = model(*(torch.from_numpy(v) for v in feeds.values()))
+    return [out.numpy()] if isinstance(out, torch.Tensor) else [o.numpy() for o in out]
+
+
+def _close(a, b, lengths, qa):
+    for x, y in zip(a, b):
+        for i, n in enumerate(lengths):
+            xi, yi = (x[i, :n], y[i, :n]) if qa else (x[i], y[i])
+            assert np.max(np.abs(xi - yi)) <= TOL, f"item {i} (len {n}) differs by {np.max(np.abs(xi - yi))}"
+
+
+def test_case_C01_exported_graph_does_not_freeze_sequence_maths(v3):
+    hf, root, result = v3
+    report = result.report
+    assert report["parity"]["passed"]
+    lengths_seen = [c["lengths"] for c in report["parity"]["cases"]]
+    assert [3] in lengths_seen and [40] in lengths_seen and [300] in lengths_seen
+    assert any(sorted(c) == [3, 40, 137, 300] for c in lengths_seen)  # the padded batch of all
+    assert json.loads((root / "onnx" / "export_report.json").read_text())["parity"]["passed"]
+    sess = make_session(result.graph)
+    ours = load_checkpoint(root, load_tokenizer=False).model
+    vocab = hf.config.vocab_size
+    for k, lengths in enumerate(([3], [40], [300], [3, 40, 300])):
+        feeds = _batch(lengths, vocab, seed=k)
+        got = sess.run(None, feeds)
+        _close(got, _ours(ours, feeds), lengths, qa=False)
+        _close(got, _hf(hf, feeds), lengths, qa=False)
+
+
+def test_graph_structure(v3):
+    _, _, result = v3
+    m = onnx.load(result.graph)
+    assert [i.name for i in m.graph.input] == ["input_ids", "attention_mask"] == result.inputs
+    assert [o.name for o in m.graph.output] == ["logits"]
+    for i in m.graph.input:
+        assert [d.dim_param for d in i.type.tensor_type.shape.dim] == ["batch", "sequence"]
+    custom = [n.op_type for n in m.graph.node if n.domain == onnx_ops.DOMAIN]
+    assert custom.count("LogBucketRelativePosition") == 1 and custom.count("DisentangledAttentionBias") == 2
+    assert {f.name for f in m.functions if f.domain == onnx_ops.DOMAIN} == {"LogBucketRelativePosition",
+                                                                            "DisentangledAttentionBias"}
+    opsets = {o.domain: o.version for o in m.opset_import}
+    assert opsets[""] >= 17 and opsets[onnx_ops.DOMAIN] == 1
+    onnx.checker.check_model(result.graph, full_check=True)
+
+
+def test_case_C02_only_declared_inputs(v3):
+    """type_vocab_size=0 but the tokenizer emits token_type_ids: both backends answer the same, and type ids
+    0 -> 1 change nothing."""
+    _, root, _ = v3
+    torch_be = TorchBackend(ModelConfig(name="t", path=root, device="cpu", max_seq_len=64))
+    onnx_be = OnnxBackend(ModelConfig(name="o", path=root, device="cpu", backend="onnx", max_seq_len=64))
+    torch_be.load()
+    onnx_be.load()  # finds root/onnx/model.onnx, no export
+    assert onnx_be.graph == root / "onnx" / "model.onnx"
+    enc = onnx_be.meta.tokenizer.encode("Hello, my dog is cute")
+    ones = dataclasses.replace(enc, token_type_ids=[1] * len(enc.input_ids))
+    a, b = torch_be.run([enc])[0], onnx_be.run([enc])[0]
+    assert int(np.argmax(a)) == int(np.argmax(b))
+    np.testing.assert_allclose(a, b, atol=TOL)
+    np.testing.assert_allclose(onnx_be.run([ones])[0], b, atol=0)
+    np.testing.assert_allclose(torch_be.run([ones])[0], a, atol=0)
+
+
+def test_v2_qa_with_token_types_matches_torch_and_transformers(v2qa):
+    hf, root, result = v2qa
+    assert result.inputs == ["input_ids", "attention_mask", "token_type_ids"]
+    assert result.outputs == ["start_logits", "end_logits"] and result.report["parity"]["passed"]
+    sess = make_session(result.graph)
+    ours = load_checkpoint(root, load_tokenizer=False).model
+    for k, lengths in enumerate(([5], [600, 7, 300, 1])):  # 600 > max_relative_positions, < 640 positions
+        feeds = _batch(lengths, 97, seed=k, types=True)
+        got = sess.run(None, feeds)
+        _close(got, _ours(ours, feeds), lengths, qa=True)
+        _close(got, _hf(hf, feeds), lengths, qa=True)
+
+
+def test_t5_relative_bias_encoder_exports(tmp_path):
+    cfg = DebertaConfig.from_dict(dict(V3, vocab_size=97, num_labels=2, relative_attention_type="t5",
+                                       relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                                       norm_rel_ebd="none"))
+    model = DebertaForSequenceClassification(cfg)
+    _randomise(model, 3)
+    assert tuple(model.deberta.encoder.relative_attention_bias.weight.shape) == (32, 4)
+    save_checkpoint(model, cfg, tmp_path / "ckpt")
+    assert load_checkpoint(tmp_path / "ckpt", load_tokenizer=False).config.relative_attention_type == "t5"
+    result = export_checkpoint(tmp_path / "ckpt", tmp_path / "onnx", progress=None)
+    assert result.report["parity"]["passed"], result.report["parity"]
+    assert result.report["custom_ops"] == ["RelativePositionBias"]
+
+    # CUDA: the T5 node is re-homed to ONNX Runtime's com.microsoft.RelativePositionBias, inputs and attributes
+    # unchanged (the contrib schema's names: bias_table, query_length, key_length; max_distance, is_bidirectional)
+    proto = onnx.load(result.graph)
+    assert onnx_ops.to_cuda_contrib_ops(proto) == 1
+    (node,) = [n for n in proto.graph.node if n.op_type == "RelativePositionBias"]
+    assert node.domain == "com.microsoft" and len(node.input) == 3
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs == {"max_distance": 128, "is_bidirectional": 1}
+    assert any(o.domain == "com.microsoft" and o.version == 1 for o in proto.opset_import)
+    schema = {(x.name, x.domain): x for x in ort.capi._pybind_state.get_all_operator_schema()}
+    contrib = schema[("RelativePositionBias", "com.microsoft")]
+    assert [i.name for i in contrib.inputs] == ["bias_table", "query_length", "key_length"]
+    assert set(contrib.attributes) == set(attrs)
+    # asking for CUDA where it cannot start (this machine) falls back to the graph as exported, same numbers
+    sess = make_session(result.graph, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    feeds = _batch([9, 200], 97, seed=5, types=False)
+    cpu = make_session(result.graph).run(None, feeds)
+    got = sess.run(None, feeds)
+    if "CUDAExecutionProvider" in sess.get_providers():  # a GPU machine: the contrib kernel ran
+        np.testing.assert_allclose(got[0], cpu[0], atol=1e-4)
+    else:
+        np.testing.assert_array_equal(got[0], cpu[0])
+
+
+def test_export_cli_errors(tmp_path, capsys):
+    """The CLI path itself (a full export through it is what ``export_checkpoint`` above does)."""
+    import argparse
+
+    from relserve.models.onnx.cli import add_arguments
+    from relserve.service.main import main
+
+    args = add_arguments(argparse.ArgumentParser()).parse_args(["ckpt", "out", "--opset", "17", "--no-parity"])
+    assert (args.checkpoint, args.out, args.opset, args.no_parity) == ("ckpt", "out", 17, True)
+    assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 2  # not a checkpoint
+    assert "config.json" in capsys.readouterr().err
+
+
+def test_export_opsets_and_out_dir_errors(tmp_path, capsys):
+    """Newer opsets export with parity (the local functions import the model's opset); impossible ones and an
+    OUT_DIR under a file are refused with a message, not a traceback."""
+    from relserve.models.onnx.cli import main as export_main
+
+    cfg = DebertaConfig.from_dict(dict(V3, vocab_size=97, num_labels=2))
+    model = DebertaForSequenceClassification(cfg)
+    _randomise(model, 4)
+    ckpt = save_checkpoint(model, cfg, tmp_path / "ckpt")
+    for opset in (17, 20):
+        result = export_checkpoint(ckpt, tmp_path / f"o{opset}", opset=opset, progress=None)
+        graph = onnx.load(result.graph)
+        assert result.report["opset"] == opset and result.report["parity"]["passed"]
+        assert [o.version for o in graph.opset_import if o.domain == ""] == [opset]
+        assert {o.version for f in graph.functions for o in f.opset_import if o.domain == ""} == {opset}
+    for bad in ("99", "24", "16"):  # 24: beyond what torch's exporter declares (it would silently give 18)
+        assert export_main([str(ckpt), str(tmp_path / "o99"), "--opset", bad]) == 2
+        assert f"opset {bad}: need 17..23" in capsys.readouterr().err and not (tmp_path / "o99").exists()
+    assert export_main([str(tmp_path / "nothing"), str(tmp_path / "o-bad")]) == 2
+    assert not (tmp_path / "o-bad").exists()  # a bad checkpoint creates nothing
+    meta = {p.key: p.value for p in onnx.load(tmp_path / "o20" / "model.onnx").metadata_props}
+    assert meta["relserve.checkpoint_sha256"] == json.loads((tmp_path / "o20" / "export_report.json").read_text())[
+        "checkpoint_sha256"]
+    (tmp_path / "afile").write_text("x")
+    assert export_main([str(ckpt), str(tmp_path / "afile" / "sub")]) == 2
+    assert "cannot create OUT_DIR" in capsys.readouterr().err

@@ -1,0 +1,214 @@
+"""backend=torch and backend=onnx serving the same tiny checkpoints through a real grpc.aio server: equal
+answers over gRPC, the ONNX provider in ListModels, export-on-first-load into the cache (keyed by checkpoint
+hash), the load-time parity self-check refusing a graph that belongs to other weights, config keys."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("onnxruntime")
+
+from fixtures.fake_serving import server_config  # noqa: E402
+from fixtures.server import Running  # noqa: E402
+from relserve.models.checkpoint import save_checkpoint  # noqa: E402
+from relserve.models.deberta import DebertaConfig  # noqa: E402
+from relserve.models.deberta import DebertaForQuestionAnswering, DebertaForSequenceClassification  # noqa: E402
+from relserve.models.checkpoint import checkpoint_hash  # noqa: E402
+from relserve.service._proto import inference_pb2 as pb  # noqa: E402
+from relserve.service.backends import create_backend  # noqa: E402
+from relserve.service.backends.onnx_backend import GraphMismatch, OnnxBackend  # noqa: E402
+from relserve.service.config import ConfigError, ModelConfig, default_onnx_cache_dir, load_config  # noqa: E402
+from relserve.service.runner import build_runner  # noqa: E402
+
+CONTEXT = "Ann lives in Berlin and works as a baker. Her brother Tom lives in Paris. " * 8
+
+
+def _strip_origin(graph):
+    """Drop the checkpoint hash ``relserve export`` writes into a graph's metadata (a hand-made graph)."""
+    import onnx
+
+    proto = onnx.load(graph)
+    del proto.metadata_props[:]
+    onnx.save(proto, graph)
+
+
+def _tiny(vocab_size: int, qa: bool = False) -> DebertaConfig:
+    labels = {} if qa else dict(num_labels=3, id2label={"0": "a", "1": "b", "2": "c"})
+    return DebertaConfig.from_dict(dict(
+        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=512, relative_attention=True, position_buckets=64,
+        pos_att_type=["p2c", "c2p"], position_biased_input=False, norm_rel_ebd="layer_norm",
+        share_att_key=True, type_vocab_size=0, pad_token_id=0, **labels,
+    ))
+
+
+def _randomise(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm" not in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(unigram_tokenizer_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("onnx-ckpt")
+    vocab = len(json.loads((unigram_tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
+    out = {}
+    for name, cls, qa, seed in (("cls", DebertaForSequenceClassification, False, 1),
+                                ("qa", DebertaForQuestionAnswering, True, 2),
+                                ("cls-other", DebertaForSequenceClassification, False, 3)):
+        cfg = _tiny(vocab, qa=qa)
+        model = cls(cfg)
+        _randomise(model, seed)
+        out[name] = save_checkpoint(model, cfg, root / name, tokenizer_dir=unigram_tokenizer_dir)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("onnx-cache")
+
+
+@pytest.fixture(scope="module")
+def srv(checkpoints, cache_dir):
+    common = dict(device="cpu", max_seq_len=128, max_queue_delay=0.002, doc_stride=32)
+    runners = [
+        build_runner(ModelConfig(name="cls-torch", path=checkpoints["cls"], **common)),
+        build_runner(ModelConfig(name="cls-onnx", path=checkpoints["cls"], backend="onnx", onnx_cache_dir=cache_dir,
+                                 onnx_intra_op_threads=1, **common)),
+        build_runner(ModelConfig(name="qa-torch", path=checkpoints["qa"], **common)),
+        build_runner(ModelConfig(name="qa-onnx", path=checkpoints["qa"], backend="onnx", onnx_cache_dir=cache_dir,
+                                 **common)),
+    ]
+    s = Running(server_config(), runners)
+    s.wait_serving(timeout=150)
+    yield s
+    s.close()
+
+
+def test_list_models_shows_the_provider(srv):
+    models = {m.name: m for m in srv.stub.ListModels(pb.ListModelsRequest()).models}
+    assert models["cls-torch"].backend == "torch" and models["cls-torch"].device == "cpu"
+    assert models["cls-onnx"].backend == "onnxruntime"
+    assert models["cls-onnx"].device == "CPUExecutionProvider"
+    assert models["qa-onnx"].task == "question-answering"
+
+
+def test_export_on_first_load_lands_in_the_cache(srv, checkpoints, cache_dir):
+    for name in ("cls", "qa"):
+        assert (cache_dir / checkpoint_hash(checkpoints[name]) / "model.onnx").is_file()
+    assert not any(p.name.startswith("tmp") for p in cache_dir.iterdir())
+
+
+def test_classify_equal_on_both_backends(srv):
+    texts = ["some text", "some longer text about Berlin", "word " * 200, "x"]
+    a = srv.stub.Classify(pb.ClassifyRequest(model="cls-torch", texts=texts), timeout=30).results
+    b = srv.stub.Classify(pb.ClassifyRequest(model="cls-onnx", texts=texts), timeout=30).results
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b):
+        assert x.num_tokens == y.num_tokens and x.truncated == y.truncated
+        assert [s.label for s in x.labels] == [s.label for s in y.labels]
+        np.testing.assert_allclose([s.score for s in x.labels], [s.score for s in y.labels], atol=1e-5)
+
+
+def test_answer_equal_on_both_backends(srv):
+    for question in ("Where does Ann live?", "Who is Tom?"):
+        kw = dict(question=question, context=CONTEXT, top_k=3, allow_impossible=True)
+        a = srv.stub.Answer(pb.AnswerRequest(model="qa-torch", **kw), timeout=30)
+        b = srv.stub.Answer(pb.AnswerRequest(model="qa-onnx", **kw), timeout=30)
+        assert a.num_windows == b.num_windows >= 2
+        assert [(x.text, x.start, x.end) for x in a.answers] == [(x.text, x.start, x.end) for x in b.answers]
+        np.testing.assert_allclose([x.score for x in a.answers], [x.score for x in b.answers], atol=1e-4)
+
+
+def test_graph_of_other_weights_is_refused(srv, checkpoints, cache_dir, tmp_path, caplog):
+    """A model.onnx beside the checkpoint that was exported from other weights fails the load-time check."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["cls-other"], ckpt)
+    shutil.copyfile(cache_dir / checkpoint_hash(checkpoints["cls"]) / "model.onnx", ckpt / "model.onnx")
+    be = OnnxBackend(ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx", max_seq_len=64))
+    with pytest.raises(GraphMismatch, match=r"exported from another checkpoint .*relserve export"):
+        be.load()  # the hash in the graph's metadata
+    _strip_origin(ckpt / "model.onnx")
+    with caplog.at_level("WARNING"), pytest.raises(GraphMismatch, match=r"differs from the torch checkpoint .* refusing"):
+        OnnxBackend(ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx", max_seq_len=64)).load()
+    assert "does not record which checkpoint it was exported from" in caplog.text
+    (ckpt / "model.onnx").unlink()
+    (ckpt / "onnx").mkdir()
+    (ckpt / "onnx" / "model.onnx").symlink_to(ckpt / "gone.onnx")  # dangling: not silently skipped
+    with pytest.raises(GraphMismatch, match="is not a readable file"):
+        OnnxBackend(ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx", max_seq_len=64)).load()
+    (ckpt / "onnx" / "model.onnx").unlink()
+    # the graph of the right weights, placed beside the checkpoint, is used without an export
+    shutil.copyfile(cache_dir / checkpoint_hash(checkpoints["cls"]) / "model.onnx", ckpt / "model.onnx")
+    be = OnnxBackend(ModelConfig(name="m", path=checkpoints["cls"], device="cpu", backend="onnx", max_seq_len=64,
+                                 onnx_cache_dir=cache_dir))
+    meta = be.load()
+    assert meta.backend == "onnxruntime" and be.parity_diff is not None and be.parity_diff < 1e-4
+
+
+def test_config_keys_and_auto(tmp_path, checkpoints, monkeypatch):
+    cfg = load_config(model_specs=[f"m={checkpoints['cls']},backend=onnx,onnx_cache_dir=c,onnx_intra_op_threads=2,"
+                                   f"onnx_graph_optimization=basic"])
+    m = cfg.models[0]
+    assert m.backend == "onnx" and m.onnx_intra_op_threads == 2 and m.onnx_graph_optimization == "basic"
+    assert m.resolved_onnx_cache_dir().is_absolute()
+    with pytest.raises(ConfigError, match="onnx_graph_optimization"):
+        load_config(model_specs=[f"m={checkpoints['cls']},onnx_graph_optimization=max"])
+    with pytest.raises(ConfigError, match="backend 'tensorrt'"):
+        load_config(model_specs=[f"m={checkpoints['cls']},backend=tensorrt"])
+    assert default_onnx_cache_dir({"XDG_CACHE_HOME": "/x"}).as_posix() == "/x/relserve/onnx"
+    assert default_onnx_cache_dir({}).as_posix() == "/tmp/relserve-cache/onnx"
+    assert isinstance(create_backend(ModelConfig(name="m", path=checkpoints["cls"], backend="auto")), OnnxBackend)
+    assert create_backend(ModelConfig(name="m", path=checkpoints["cls"], backend="auto", dtype="float16")).name == "torch"
+    be = OnnxBackend(ModelConfig(name="m", path=checkpoints["cls"], backend="onnx", device="cpu", dtype="bfloat16"))
+    with pytest.raises(ConfigError, match="float32 graphs only"):
+        be.load()
+
+
+def test_graph_provenance_vocabulary_wide_check_and_cache_repair(checkpoints, cache_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from relserve.models.onnx.runtime import REPORT_NAME
+
+    entry = cache_dir / checkpoint_hash(checkpoints["cls"])
+    # 1. graphs + report of another checkpoint beside this one: refused by the recorded hash
+    ckpt = tmp_path / "other"
+    shutil.copytree(checkpoints["cls-other"], ckpt)
+    shutil.copytree(entry, ckpt / "onnx")
+    assert (ckpt / "onnx" / REPORT_NAME).is_file()
+    with pytest.raises(GraphMismatch, match=r"exported from another checkpoint .*relserve export"):
+        OnnxBackend(ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx", max_seq_len=64)).load()
+    # 2. embedding rows the short warm-up item never reads, changed; no report: the long item catches it
+    ckpt = tmp_path / "rows"
+    shutil.copytree(checkpoints["cls"], ckpt)
+    sd = load_file(ckpt / "model.safetensors")
+    key = next(k for k in sd if k.endswith("word_embeddings.weight"))
+    sd[key][100:] += 0.5 * torch.randn(sd[key][100:].shape, generator=torch.Generator().manual_seed(0))
+    save_file(sd, ckpt / "model.safetensors", metadata={"format": "pt"})
+    (ckpt / "onnx").mkdir()
+    shutil.copyfile(entry / "model.onnx", ckpt / "onnx" / "model.onnx")
+    _strip_origin(ckpt / "onnx" / "model.onnx")  # a graph that does not say where it came from
+    with pytest.raises(GraphMismatch, match="refusing to serve"):
+        OnnxBackend(ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx", max_seq_len=64)).load()
+    # 3. a corrupted cache entry is exported again instead of failing every restart
+    cache = tmp_path / "cache"
+    cfg = ModelConfig(name="m", path=checkpoints["cls"], device="cpu", backend="onnx", max_seq_len=64,
+                      onnx_cache_dir=cache)
+    OnnxBackend(cfg).load()
+    graph = cache / checkpoint_hash(checkpoints["cls"]) / "model.onnx"
+    graph.write_bytes(graph.read_bytes()[:1000])
+    be = OnnxBackend(cfg)
+    be.load()
+    assert be.parity_diff < 1e-4 and graph.stat().st_size > 1000
+
+
+def test_onnx_backend_half_precision_is_a_config_error(checkpoints):
+    with pytest.raises(ConfigError, match="float32 graphs only"):
+        load_config(model_specs=[f"m={checkpoints['cls']},backend=onnx,dtype=float16"])

@@ -1,0 +1,413 @@
+"""A real grpc.aio server on a free loopback port, serving fake models through the runner seam:
+status codes, message limits (C12), health, reflection, metrics, drain; config parsing; no torch import."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from fixtures.fake_serving import LABELS, runner, server_config
+from fixtures.server import Running
+from relserve.service._proto import inference_pb2 as pb
+from relserve.service._proto import inference_pb2_grpc as pb_grpc
+from relserve.service.backends import TASK_QA
+from relserve.service.config import MIB, ConfigError, load_config
+from relserve.service.runner import DefaultTaskProcessing
+from relserve.service.server import InferenceServer
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = Running(server_config(), [
+        runner("sentiment"),
+        runner("qa", TASK_QA),
+        runner("slow", config={"max_queue_delay": 0.0}, delay=0.5),
+        runner("broken", fail=True),
+    ])
+    s.wait_serving()
+    yield s
+    s.close()
+
+
+def _code(call, *args, **kw) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as err:
+        call(*args, **kw)
+    return err.value.code(), err.value.details()
+
+
+# ---------------------------------------------------------------------- happy paths
+
+def test_classify_results_in_order(srv):
+    reply = srv.stub.Classify(pb.ClassifyRequest(model="sentiment", texts=["good good", "bad movie", "good"]))
+    assert [r.labels[0].label for r in reply.results] == ["positive", "negative", "positive"]
+    assert [r.num_tokens for r in reply.results] == [4, 4, 3]
+    assert all(len(r.labels) == 2 for r in reply.results)
+    assert abs(sum(ls.score for ls in reply.results[0].labels) - 1.0) < 1e-6
+    top1 = srv.stub.Classify(pb.ClassifyRequest(model="sentiment", texts=["good"], top_k=1))
+    assert len(top1.results[0].labels) == 1
+
+
+def test_classify_truncation_and_pairs(srv):
+    long_text = " ".join(["word"] * 200)
+    reply = srv.stub.Classify(pb.ClassifyRequest(model="sentiment", texts=[long_text, "good"],
+                                                 text_pairs=["bad", "fine"]))
+    assert reply.results[0].truncated and reply.results[0].num_tokens == 64
+    assert not reply.results[1].truncated and reply.results[1].num_tokens == 5
+
+
+def test_answer(srv):
+    context = "Berlin is the capital of Germany. " * 10
+    reply = srv.stub.Answer(pb.AnswerRequest(model="qa", question="what is it", context=context, top_k=1))
+    assert reply.num_windows >= 2
+    a = reply.answers[0]
+    assert context[a.start:a.end] == a.text and a.text
+    assert not a.is_impossible
+
+
+def test_list_models(srv):
+    models = {m.name: m for m in srv.stub.ListModels(pb.ListModelsRequest()).models}
+    assert set(models) == {"sentiment", "qa", "slow", "broken"}
+    s = models["sentiment"]
+    assert (s.task, s.family, s.backend, s.device, s.dtype) == ("classification", "fake-deberta", "fake", "cpu",
+                                                                 "float32")
+    assert list(s.labels) == list(LABELS) and s.max_seq_len == 64 and s.max_batch_size == 32
+    assert models["qa"].task == "question-answering" and not models["qa"].labels
+
+
+# ---------------------------------------------------------------------- status codes
+
+def test_unknown_model_not_found_lists_models(srv):
+    code, details = _code(srv.stub.Classify, pb.ClassifyRequest(model="nope", texts=["x"]))
+    assert code == grpc.StatusCode.NOT_FOUND
+    assert "nope" in details and "sentiment" in details and "qa" in details
+
+
+def test_wrong_task_failed_precondition(srv):
+    code, details = _code(srv.stub.Answer, pb.AnswerRequest(model="sentiment", question="q", context="c"))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "classification" in details
+    code, details = _code(srv.stub.Classify, pb.ClassifyRequest(model="qa", texts=["x"]))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "question-answering" in details
+
+
+@pytest.mark.parametrize("request_kw, fragment", [
+    ({"texts": []}, "texts is empty"),
+    ({"texts": ["ok", ""]}, "texts[1]"),
+    ({"texts": ["   \n"]}, "texts[0]"),
+    ({"texts": ["a", "b"], "text_pairs": ["x"]}, "text_pairs has 1"),
+    ({"texts": ["a"], "top_k": 3}, "2 labels"),
+])
+def test_classify_invalid_argument(srv, request_kw, fragment):
+    code, details = _code(srv.stub.Classify, pb.ClassifyRequest(model="sentiment", **request_kw))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and fragment in details
+
+
+@pytest.mark.parametrize("request_kw, fragment", [
+    ({"question": "", "context": "c"}, "question"),
+    ({"question": "q", "context": "  "}, "context"),
+    ({"question": "q", "context": "c", "top_k": 1000}, "limit is 20"),
+    ({"question": "q", "context": "c", "max_answer_len": 1000}, "max_seq_len 64"),
+    ({"question": "q", "context": "c", "doc_stride": 64}, "doc_stride 64"),
+    ({"question": "q", "context": "c", "null_threshold": float("nan")}, "NaN"),
+])
+def test_answer_invalid_argument(srv, request_kw, fragment):
+    code, details = _code(srv.stub.Answer, pb.AnswerRequest(model="qa", **request_kw))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and fragment in details
+
+
+def test_backend_failure_is_internal_and_server_keeps_serving(srv):
+    code, details = _code(srv.stub.Classify, pb.ClassifyRequest(model="broken", texts=["x"]))
+    assert code == grpc.StatusCode.INTERNAL and "fake backend failure" in details
+    assert srv.stub.Classify(pb.ClassifyRequest(model="sentiment", texts=["good"])).results
+
+
+def test_deadline_exceeded(srv):
+    code, _ = _code(srv.stub.Classify, pb.ClassifyRequest(model="slow", texts=["x"]), timeout=0.1)
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_cancelled_request_leaves_queue(srv):
+    slow = srv.server.registry.runners["slow"]
+    futures = [srv.stub.Classify.future(pb.ClassifyRequest(model="slow", texts=[f"t{i}"])) for i in range(3)]
+    time.sleep(0.2)  # the first runs, the others wait
+    for f in futures[1:]:
+        f.cancel()
+    end = time.monotonic() + 3
+    while slow.batcher.queue_depth and time.monotonic() < end:
+        time.sleep(0.01)
+    assert slow.batcher.queue_depth == 0
+    assert futures[0].result(timeout=5).results
+
+
+# ---------------------------------------------------------------------- C12: message size
+
+def _just_over_4mib() -> pb.ClassifyRequest:
+    return pb.ClassifyRequest(model="sentiment", texts=["good " * (4 * MIB // 5 + 64)])
+
+
+def test_case_C12_oversize_message_resource_exhausted_names_limit(srv):
+    request = _just_over_4mib()
+    assert 4 * MIB < request.ByteSize() < 4 * MIB + 4096
+    code, details = _code(srv.stub.Classify, request)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert str(4 * MIB) in details, details
+
+
+def test_case_C12_raised_limits_succeed():
+    limit = 8 * MIB
+    s = Running(
+        server_config(max_receive_message_length=limit, max_send_message_length=limit, metrics_port=None),
+        [runner("sentiment")],
+        channel_options=[("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)],
+    )
+    try:
+        s.wait_serving()
+        reply = s.stub.Classify(_just_over_4mib(), timeout=30)
+        assert reply.results[0].truncated and reply.results[0].labels[0].label == "positive"
+    finally:
+        s.close()
+
+
+# ---------------------------------------------------------------------- health, reflection, metrics
+
+def test_health_not_serving_until_warm():
+    gate = threading.Event()
+    s = Running(server_config(metrics_port=None), [runner("sentiment", warm_gate=gate)])
+    try:
+        NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+        assert s.health_status("") == NOT_SERVING
+        assert s.health_status("relserve.v1.Inference") == NOT_SERVING
+        code, details = _code(s.stub.Classify, pb.ClassifyRequest(model="sentiment", texts=["x"]))
+        assert code == grpc.StatusCode.UNAVAILABLE and "not ready" in details
+        gate.set()
+        s.wait_serving()
+        assert s.health_status("relserve.v1.Inference") == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        gate.set()
+        s.close()
+
+
+def test_reflection_lists_services(srv):
+    stub = reflection_pb2_grpc.ServerReflectionStub(srv.channel)
+    responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                          timeout=5)
+    names = {s.name for r in responses for s in r.list_services_response.service}
+    assert {"relserve.v1.Inference", "grpc.health.v1.Health",
+            "grpc.reflection.v1alpha.ServerReflection"} <= names
+
+
+def test_metrics_endpoint(srv):
+    srv.stub.Classify(pb.ClassifyRequest(model="sentiment", texts=["good", "bad bad"]))
+    text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=5).read().decode()
+    for name in [
+        "relserve_requests_total", "relserve_request_duration_seconds_bucket",
+        "relserve_queue_duration_seconds_bucket", "relserve_inference_duration_seconds_bucket",
+        "relserve_tokenization_duration_seconds_bucket", "relserve_batch_size_bucket",
+        "relserve_batch_tokens_bucket", "relserve_tokens_total", "relserve_queue_depth",
+        "relserve_inflight_requests", "relserve_model_info", "process_resident_memory_bytes",
+    ]:
+        assert name in text, name
+    assert 'relserve_requests_total{code="OK",model="sentiment",task="classification"}' in text
+    assert 'relserve_requests_total{code="NOT_FOUND",model="_unknown_"' in text or "NOT_FOUND" not in text
+    assert 'kind="padding"' in text and 'kind="real"' in text
+    assert 'relserve_inference_duration_seconds_count{backend="fake",model="sentiment"}' in text
+
+
+# ---------------------------------------------------------------------- drain on SIGTERM (subprocess)
+
+def test_sigterm_drains_and_exits_zero(tmp_path):
+    script = tmp_path / "serve_fake.py"
+    script.write_text(textwrap.dedent(f"""
+        import asyncio, sys
+        sys.path.insert(0, {str(REPO / 'tests')!r})
+        from fixtures.fake_serving import runner, server_config
+        from relserve.service.main import serve
+        import logging
+        logging.basicConfig(level="INFO")
+        sys.exit(asyncio.run(serve(server_config(metrics_port=None, drain_timeout=5.0),
+                                   [runner("sentiment", delay=0.3)])))
+    """))
+    proc = subprocess.Popen([PYTHON, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        port = None
+        lines = []
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            line = proc.stdout.readline()
+            lines.append(line)
+            m = re.search(r"serving on \S+:(\d+)", line)
+            if m:
+                port = int(m.group(1))
+                break
+        assert port, "".join(lines)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.InferenceStub(ch)
+            inflight = stub.Classify.future(pb.ClassifyRequest(model="sentiment", texts=["good"]))
+            time.sleep(0.1)
+            proc.send_signal(signal.SIGTERM)
+            assert inflight.result(timeout=10).results[0].labels[0].label == "positive"  # drained, not dropped
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# ---------------------------------------------------------------------- config
+
+def test_config_file_cli_and_model_specs(tmp_path):
+    (tmp_path / "m1").mkdir()
+    (tmp_path / "m2").mkdir()
+    cfg_file = tmp_path / "relserve.yaml"
+    cfg_file.write_text(textwrap.dedent("""
+        port: 6000
+        metrics_port: 9000
+        max_receive_message_length: 8388608
+        models:
+          - name: a
+            path: m1
+            max_batch_size: 4
+            max_queue_delay: 0
+    """))
+    cfg = load_config(cfg_file, overrides={"port": 7000, "host": None},
+                      model_specs=[f"b={tmp_path / 'm2'},max_batch_size=8,dtype=float32,warmup=false"])
+    assert cfg.port == 7000 and cfg.metrics_port == 9000 and cfg.host == "0.0.0.0"
+    assert cfg.max_receive_message_length == 8 * MIB and cfg.max_send_message_length == 4 * MIB
+    a, b = cfg.model("a"), cfg.model("b")
+    assert a.path == tmp_path / "m1" and a.max_batch_size == 4 and a.max_queue_delay == 0.0
+    assert b.max_batch_size == 8 and b.warmup is False and b.max_batch_tokens == 8192 and b.doc_stride == 128
+    assert a.resolved_max_seq_len(None) == 512 and a.resolved_max_seq_len(128) == 128
+
+
+def test_config_defaults_to_builtin_models(tmp_path):
+    for sub in ("sentiment", "qa"):
+        (tmp_path / sub).mkdir()
+    cfg = load_config(defaults_dir=tmp_path)
+    assert [m.name for m in cfg.models] == ["sentiment", "qa"]
+    assert cfg.port == 50051 and cfg.metrics_port == 8002 and cfg.drain_timeout == 30.0
+    with pytest.raises(ConfigError, match="--model NAME=DIR"):
+        load_config(defaults_dir=tmp_path / "missing")
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("a={d},dtype=float16,device=cpu", "needs a CUDA device"),
+    ("a={d},max_batch_size=0", "max_batch_size must be >= 1"),
+    ("a={d},bogus=1", "unknown key"),
+    ("a={d},backend=tensorflow", "backend 'tensorflow'"),
+    ("a={d}/nope", "is not a directory"),
+    ("a={d},max_seq_len=128,doc_stride=200", "doc_stride 200"),
+    ("a={d},max_batch_size=lots", "must be an integer"),
+    ("justaname", "NAME=DIR"),
+])
+def test_config_errors_are_clear(tmp_path, spec, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(model_specs=[spec.format(d=tmp_path)])
+    assert fragment in str(err.value)
+
+
+def test_cli_config_error_exits_2(tmp_path):
+    proc = subprocess.run([PYTHON, "-m", "relserve.service.main", "serve", "--model", f"a={tmp_path}/missing"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "is not a directory" in proc.stderr
+
+
+# ---------------------------------------------------------------------- dependency direction
+
+def test_serving_modules_do_not_import_torch():
+    code = (
+        "import sys\n"
+        "import relserve.service.batcher, relserve.service.api, relserve.service.errors, relserve.service.config\n"
+        "import relserve.service.runner, relserve.service.metrics, relserve.service.server, relserve.service.main\n"
+        "import relserve.service.backends\n"
+        "bad = [m for m in ('torch', 'onnxruntime') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([PYTHON, "-c", code], check=True, timeout=60, env=env)
+
+
+# ---------------------------------------------------------------------- status bookkeeping (metrics = what clients saw)
+
+class _SlowTokenization(DefaultTaskProcessing):
+    def classify_preprocess(self, tokenizer, texts, pairs, max_seq_len):
+        time.sleep(0.6)  # in the tokenization executor: grpc cancels the handler when the deadline passes
+        return super().classify_preprocess(tokenizer, texts, pairs, max_seq_len)
+
+
+def _requests_total(model: str) -> dict[str, float]:
+    from prometheus_client import REGISTRY
+
+    out: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        for s in family.samples:
+            if s.name == "relserve_requests_total" and s.labels.get("model") == model:
+                out[s.labels["code"]] = s.value
+    return out
+
+
+def test_deadline_during_tokenization_is_counted_as_deadline_exceeded():
+    slow = runner("slowtok")
+    slow.tasks = _SlowTokenization()
+    s = Running(server_config(metrics_port=None), [slow])
+    try:
+        s.wait_serving()
+        code, _ = _code(s.stub.Classify, pb.ClassifyRequest(model="slowtok", texts=["good"]), timeout=0.2)
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(0.8)  # the handler finishes its cleanup after the tokenizer thread returns
+        counts = _requests_total("slowtok")
+        assert counts.get("DEADLINE_EXCEEDED") == 1 and "CANCELLED" not in counts, counts
+    finally:
+        s.close()
+
+
+def test_reply_over_send_limit_is_resource_exhausted_and_counted():
+    s = Running(server_config(metrics_port=None, max_send_message_length=1024), [runner("tinyreply")])
+    try:
+        s.wait_serving()
+        code, details = _code(s.stub.Classify, pb.ClassifyRequest(model="tinyreply", texts=["good"] * 200),
+                              timeout=10)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_send_message_length of 1024 bytes" in details
+        assert s.stub.Classify(pb.ClassifyRequest(model="tinyreply", texts=["good"]), timeout=10).results
+        assert _requests_total("tinyreply") == {"RESOURCE_EXHAUSTED": 1, "OK": 1}
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("text", ["\u200b", "\u2060\ufeff ", " \n\t"])
+def test_zero_width_only_text_is_blank(srv, text):
+    code, details = _code(srv.stub.Classify, pb.ClassifyRequest(model="sentiment", texts=[text]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "empty or only whitespace" in details
+
+
+def test_duplicate_model_names_on_the_command_line(tmp_path):
+    with pytest.raises(ConfigError, match="given twice"):
+        load_config(model_specs=[f"a={tmp_path}", f"a={tmp_path}"])
+
+
+def test_busy_metrics_port_is_a_clean_error():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        server = InferenceServer(server_config(metrics_port=port), runners=[runner("m")])
+        with pytest.raises(RuntimeError, match=f"cannot bind metrics port 127.0.0.1:{port}"):
+            asyncio.run(server.start())

@@ -1,0 +1,123 @@
+"""TorchBackend on a tiny random DeBERTa checkpoint (seconds on CPU): padding invariance (C03), QA
+outputs unpadded per item, token_type handling, and the runner+batcher path end to end."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from relserve.models.checkpoint import save_checkpoint  # noqa: E402
+from relserve.models.deberta import DebertaConfig  # noqa: E402
+from relserve.models.deberta import DebertaForQuestionAnswering, DebertaForSequenceClassification  # noqa: E402
+from relserve.service.backends import TASK_CLASSIFICATION, TASK_QA  # noqa: E402
+from relserve.service.backends.torch_backend import TorchBackend  # noqa: E402
+from relserve.service.config import ConfigError, ModelConfig  # noqa: E402
+from relserve.service.runner import ModelRunner  # noqa: E402
+
+
+def _tiny(vocab_size: int, qa: bool = False) -> DebertaConfig:
+    labels = {} if qa else dict(num_labels=3, id2label={"0": "a", "1": "b", "2": "c"},
+                                label2id={"a": 0, "b": 1, "c": 2})
+    return DebertaConfig.from_dict(dict(
+        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=512, relative_attention=True, position_buckets=64,
+        pos_att_type=["p2c", "c2p"], position_biased_input=False, norm_rel_ebd="layer_norm",
+        share_att_key=True, type_vocab_size=0, pad_token_id=0, **labels,
+    ))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(unigram_tokenizer_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    vocab = 8000
+    try:
+        import json
+
+        vocab = len(json.loads((unigram_tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
+    except Exception:
+        pass
+    torch.manual_seed(0)
+    cls_dir = save_checkpoint(DebertaForSequenceClassification(_tiny(vocab)), _tiny(vocab), root / "cls",
+                              tokenizer_dir=unigram_tokenizer_dir)
+    qa_dir = save_checkpoint(DebertaForQuestionAnswering(_tiny(vocab, qa=True)), _tiny(vocab, qa=True), root / "qa",
+                             tokenizer_dir=unigram_tokenizer_dir)
+    return cls_dir, qa_dir
+
+
+def _backend(path, **kw) -> TorchBackend:
+    be = TorchBackend(ModelConfig(name="m", path=path, device="cpu", **kw))
+    be.load()
+    return be
+
+
+def test_case_C03_padding_invariance(checkpoints):
+    be = _backend(checkpoints[0])
+    assert be.meta.task == TASK_CLASSIFICATION and be.meta.labels == ("a", "b", "c")
+    tok = be.meta.tokenizer
+    texts = ["some text", "some longer text", "word " * 600]
+    encs = [tok.encode(t, max_length=500) for t in texts]
+    assert len(encs[2].input_ids) == 500 and len(encs[0].input_ids) < 10
+    solo = [be.run([e])[0] for e in encs]
+    batched = be.run(encs)
+    for s, b in zip(solo, batched):
+        assert s.dtype == np.float32 and s.shape == (3,)
+        np.testing.assert_allclose(b, s, atol=1e-4)
+
+
+def test_qa_outputs_unpadded(checkpoints):
+    be = _backend(checkpoints[1], max_seq_len=64, doc_stride=16)
+    assert be.meta.task == TASK_QA
+    windows = be.meta.tokenizer.qa_windows("who?", "Ann lives in Berlin. " * 20, 64, 16)
+    out = be.run(windows)
+    assert len(out) == len(windows) >= 2
+    for w, (start, end) in zip(windows, out):
+        assert start.shape == end.shape == (len(w.input_ids),) and start.dtype == np.float32
+    solo = be.run([windows[-1]])[0]
+    np.testing.assert_allclose(out[-1][0], solo[0], atol=1e-4)
+
+
+def test_half_precision_on_cpu_is_a_clear_error(checkpoints):
+    be = TorchBackend(ModelConfig(name="m", path=checkpoints[0], device="auto", dtype="bfloat16"))
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: bfloat16 is allowed")
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        be.load()
+
+
+def test_runner_end_to_end_through_batcher(checkpoints):
+    async def main():
+        cfg = ModelConfig(name="cls", path=checkpoints[0], device="cpu", max_seq_len=128)
+        r = ModelRunner(cfg, TorchBackend(cfg))
+        await asyncio.to_thread(r.load)
+        await r.start()
+        try:
+            a = asyncio.create_task(r.classify(["some text"], None, 0, None))
+            b = asyncio.create_task(r.classify(["some longer text", "x y z"], None, 2, None))
+            (items_a, _), (items_b, tb) = await asyncio.gather(a, b)
+            return items_a, items_b, tb
+        finally:
+            await r.close()
+
+    items_a, items_b, timings = asyncio.run(main())
+    assert len(items_a[0].labels) == 3 and abs(sum(s for _, s in items_a[0].labels) - 1) < 1e-5
+    assert [len(i.labels) for i in items_b] == [2, 2]
+    assert timings.units == 2 and timings.inference_s > 0
+
+
+def test_tokenizer_larger_than_the_embedding_table_is_refused(unigram_tokenizer_dir, tmp_path):
+    """Ids past vocab_size would fail whole batches (other clients' requests too) at run time: refuse at load."""
+    import json
+
+    from relserve.models.checkpoint import CheckpointError, load_checkpoint
+
+    vocab = len(json.loads((unigram_tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
+    small = _tiny(vocab - 10)
+    ckpt = save_checkpoint(DebertaForSequenceClassification(small), small, tmp_path / "ckpt",
+                           tokenizer_dir=unigram_tokenizer_dir)
+    with pytest.raises(CheckpointError, match=rf"tokenizer has {vocab} tokens but the model's vocab_size is {vocab - 10}"):
+        load_checkpoint(ckpt)
+    assert load_checkpoint(ckpt, load_tokenizer=False).config.vocab_size == vocab - 10

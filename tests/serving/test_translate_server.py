@@ -1,0 +1,288 @@
+"""Translation through a real grpc.aio server on a free loopback port, with real (tiny, random) RNNsearch
+checkpoints loaded by ``build_runner`` from their directories: unary and streaming, n-best and alignments,
+C09 and C10, batch invariance (short and long sources mixed in one request and across concurrent
+requests vs solo), status codes, deadline/cancel leaving nothing behind, metrics, config wiring."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from fixtures.fake_serving import runner as fake_runner
+from fixtures.fake_serving import server_config
+from fixtures.server import Running
+from fixtures.translation import REPO, make_tiny_checkpoint, sentence_pairs
+from relserve.service._proto import inference_pb2 as pb
+from relserve.service.config import ConfigError, ModelConfig, load_config
+from relserve.service.runner import build_runner
+from relserve.service.translation import TranslationRunner
+
+TEN_WORDS = "Der alte Mann ging gestern Abend mit seinem Hund spazieren."
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("translation")
+    return {
+        "bigru": make_tiny_checkpoint(root / "bigru", seed=1),
+        "deberta": make_tiny_checkpoint(root / "deberta", seed=2, encoder="deberta"),
+    }
+
+
+@pytest.fixture(scope="module")
+def srv(checkpoints):
+    cfg = dict(device="cpu", max_source_tokens=120, max_batch_tokens=4096, max_queue_delay=0.002)
+    runners = [
+        build_runner(ModelConfig(name="tr", path=checkpoints["bigru"], **cfg)),
+        build_runner(ModelConfig(name="tr-deberta", path=checkpoints["deberta"], **cfg)),
+        build_runner(ModelConfig(name="tr-request", path=checkpoints["bigru"], scheduling="request", **cfg)),
+        fake_runner("sentiment"),
+    ]
+    s = Running(server_config(), runners)
+    s.wait_serving(timeout=60)
+    yield s
+    s.close()
+
+
+def _code(call, *args, **kw):
+    with pytest.raises(grpc.RpcError) as err:
+        call(*args, **kw)
+    return err.value.code(), err.value.details()
+
+
+def translate(srv, texts, **kw):
+    kw.setdefault("model", "tr")
+    return srv.stub.Translate(pb.TranslateRequest(texts=texts, **kw), timeout=60).results
+
+
+def hyp_key(h):
+    return (list(h.token_ids), h.text, h.truncated)
+
+
+def dev_sources() -> list[str]:
+    return [s for s, _ in sentence_pairs(200)]
+
+
+def nothing_left(srv, name="tr"):
+    r = srv.server.registry.runners[name]
+    end = time.monotonic() + 5
+    while time.monotonic() < end:
+        if not r.loop.queue_depth and not r.loop.active_sequences and not r.backend._beams:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+# ---------------------------------------------------------------------- basics
+
+def test_runner_kind_and_list_models(srv):
+    assert isinstance(srv.server.registry.runners["tr"], TranslationRunner)
+    models = {m.name: m for m in srv.stub.ListModels(pb.ListModelsRequest()).models}
+    assert models["tr"].task == "translation" and models["tr"].family == "rnnsearch-bigru"
+    assert models["tr-deberta"].family == "rnnsearch-deberta" and models["tr"].max_seq_len == 120
+    assert models["sentiment"].task == "classification"
+
+
+def test_unary_nbest_sorted_with_alignment(srv):
+    (res,) = translate(srv, ["Das Wetter ist heute schön."], beam_size=4, n_best=3, return_alignment=True)
+    hyps = res.hypotheses
+    assert len(hyps) == 3
+    assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+    for h in hyps:
+        a = h.alignment
+        assert list(a.source_tokens)[-1] == "</s>" and len(a.source_tokens) == res.num_source_tokens
+        finished = not h.truncated
+        assert list(a.target_tokens) == list(h.tokens) + (["</s>"] if finished else [])
+        assert len(a.weights) == len(a.target_tokens) * len(a.source_tokens)
+        n = len(a.source_tokens)
+        for i in range(len(a.target_tokens)):
+            assert abs(sum(a.weights[i * n:(i + 1) * n]) - 1.0) < 1e-4
+        assert math.isfinite(h.log_prob) and h.log_prob <= 0
+    plain = translate(srv, ["Das Wetter ist heute schön."], beam_size=4, n_best=3)[0]
+    assert not plain.hypotheses[0].HasField("alignment")
+    assert [hyp_key(h) for h in plain.hypotheses] == [hyp_key(h) for h in hyps]
+
+
+@pytest.mark.parametrize("model", ["tr", "tr-deberta", "tr-request"])
+def test_stream_grows_then_final_equals_unary(srv, model):
+    text = "Wir sehen uns morgen im Büro."
+    msgs = list(srv.stub.TranslateStream(pb.TranslateStreamRequest(model=model, text=text, beam_size=3, n_best=2),
+                                         timeout=60))
+    assert msgs[-1].final and not any(m.final for m in msgs[:-1]) and len(msgs) >= 2
+    steps = [m.step for m in msgs]
+    assert steps == sorted(steps) and len(set(steps[:-1])) == len(steps) - 1
+    unary = translate(srv, [text], model=model, beam_size=3, n_best=2)[0]
+    final = msgs[-1].result
+    assert [hyp_key(h) for h in final.hypotheses] == [hyp_key(h) for h in unary.hypotheses]
+    assert msgs[-1].text == unary.hypotheses[0].text
+    assert all(len(m.tokens) == m.step for m in msgs[:-1])  # the best live hypothesis grows one token a step
+
+
+def test_stream_blank_text_single_final_message(srv):
+    msgs = list(srv.stub.TranslateStream(pb.TranslateStreamRequest(model="tr", text="  "), timeout=10))
+    assert len(msgs) == 1 and msgs[0].final and msgs[0].text == "" and msgs[0].result.hypotheses[0].text == ""
+
+
+# ---------------------------------------------------------------------- cases
+
+def test_case_C09_beam_under_tight_length_limit(srv):
+    assert len(TEN_WORDS.split()) == 10
+    for model in ("tr", "tr-deberta"):
+        (res,) = translate(srv, [TEN_WORDS], model=model, beam_size=5, n_best=5, max_length=3)
+        hyps = res.hypotheses
+        assert len(hyps) == 5
+        assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+        for h in hyps:
+            assert len(h.token_ids) + (0 if h.truncated else 1) <= 3  # EOS counts
+            assert h.truncated == (len(h.token_ids) == 3)  # truncated = never produced EOS
+
+
+def test_case_C10_nothing_to_translate(srv):
+    batch = ["", " ", "-", "Guten Morgen"]
+    results = translate(srv, batch, beam_size=4, n_best=2)
+    for r in results[:2]:
+        assert [(h.text, h.score, h.truncated, len(h.tokens)) for h in r.hypotheses] == [("", 0.0, False, 0)]
+        assert r.num_source_tokens == 0
+    dash = results[2]
+    src_len = dash.num_source_tokens
+    assert 1 <= src_len <= 3
+    assert all(len(h.token_ids) <= 2 * src_len + 10 for h in dash.hypotheses)  # bounded by the length formula
+    solo = translate(srv, ["Guten Morgen"], beam_size=4, n_best=2)[0]
+    assert [hyp_key(h) for h in results[3].hypotheses] == [hyp_key(h) for h in solo.hypotheses]
+    steps_before = srv.server.registry.runners["tr"].loop.steps
+    blank_only = translate(srv, ["", "\t \n", "\u200b", "\u2060\ufeff "])  # zero-width only is blank too
+    assert [r.hypotheses[0].text for r in blank_only] == ["", "", "", ""]
+    assert srv.server.registry.runners["tr"].loop.steps == steps_before  # the model never ran
+
+
+# ---------------------------------------------------------------------- batch invariance
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_batch_invariance_mixed_lengths_item_by_item(srv, beam_size):
+    sources = sorted(dev_sources(), key=len)
+    mixed = [sources[0], "Ja.", sources[-1], sources[len(sources) // 2], sources[-2], "Nein"]
+    together = translate(srv, mixed, beam_size=beam_size, n_best=beam_size)
+    solo = [translate(srv, [t], beam_size=beam_size, n_best=beam_size)[0] for t in mixed]
+    for t, a, b in zip(mixed, together, solo):
+        if beam_size == 1:  # greedy: identical tokens
+            assert list(a.hypotheses[0].token_ids) == list(b.hypotheses[0].token_ids), t
+        else:  # beam: identical best hypothesis
+            assert hyp_key(a.hypotheses[0]) == hyp_key(b.hypotheses[0]), t
+            assert abs(a.hypotheses[0].score - b.hypotheses[0].score) < 1e-5
+        assert len(a.hypotheses) == beam_size
+
+
+def test_batch_invariance_across_concurrent_requests_joining_between_steps(srv):
+    loop = srv.server.registry.runners["tr"].loop
+    texts = sorted(dev_sources(), key=len)
+    texts = texts[:4] + texts[-4:]
+    solo = [translate(srv, [t], beam_size=2)[0] for t in texts]
+    loop.plans.clear()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futs = [pool.submit(translate, srv, [t], beam_size=2) for t in texts]
+        together = [f.result()[0] for f in futs]
+    for t, a, b in zip(texts, together, solo):
+        assert hyp_key(a.hypotheses[0]) == hyp_key(b.hypotheses[0]), t
+    assert max(len(p.seq_ids) for p in loop.plans) >= 2  # they really shared steps
+
+
+# ---------------------------------------------------------------------- errors
+
+@pytest.mark.parametrize("request_kw, fragment", [
+    ({"texts": []}, "texts is empty"),
+    ({"texts": ["x"], "beam_size": 17}, "beam_size 17"),
+    ({"texts": ["x"], "beam_size": 2, "n_best": 3}, "n_best 3"),
+    ({"texts": ["x"], "n_best": 6}, "1..beam_size (5)"),
+    ({"texts": ["x"], "max_length": 1000}, "max_output_tokens 256"),
+    ({"texts": ["ok", "Wort " * 200]}, "max_source_tokens 120"),
+])
+def test_invalid_argument(srv, request_kw, fragment):
+    code, details = _code(srv.stub.Translate, pb.TranslateRequest(model="tr", **request_kw))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and fragment in details, details
+    assert nothing_left(srv)
+
+
+def test_model_status_codes(srv):
+    code, details = _code(srv.stub.Translate, pb.TranslateRequest(model="nope", texts=["x"]))
+    assert code == grpc.StatusCode.NOT_FOUND and "tr" in details
+    code, details = _code(srv.stub.Translate, pb.TranslateRequest(model="sentiment", texts=["x"]))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "Classify" in details
+    code, details = _code(srv.stub.Classify, pb.ClassifyRequest(model="tr", texts=["x"]))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "Translate" in details
+    code, _ = _code(lambda r: list(srv.stub.TranslateStream(r)), pb.TranslateStreamRequest(model="tr", text="x",
+                                                                                              beam_size=99))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert translate(srv, ["Guten Morgen"])[0].hypotheses  # nothing lost: still serving
+
+
+def test_deadline_and_cancel_leave_nothing_behind(srv):
+    long_text = sorted(dev_sources(), key=len)[-1]
+    code, _ = _code(srv.stub.Translate, pb.TranslateRequest(model="tr", texts=[long_text] * 4, beam_size=8),
+                    timeout=0.05)
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    stream = srv.stub.TranslateStream(pb.TranslateStreamRequest(model="tr", text=long_text, beam_size=8),
+                                      timeout=30)
+    next(stream)
+    stream.cancel()
+    assert nothing_left(srv)
+    assert translate(srv, ["Guten Morgen"])[0].hypotheses
+
+
+def test_metrics(srv):
+    translate(srv, ["Guten Morgen"])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=5).read().decode()
+    for name in ["relserve_decode_steps_total", "relserve_generated_tokens_total", "relserve_active_hypotheses",
+                 "relserve_decode_step_hypotheses_bucket"]:
+        assert f'{name}{{model="tr"' in text or f"{name}{{" in text, name
+    assert 'relserve_requests_total{code="OK",model="tr",task="translation"}' in text
+    assert 'relserve_queue_duration_seconds_count{model="tr"}' in text
+    assert 'relserve_inference_duration_seconds_count{backend="torch",model="tr"}' in text
+    assert 'relserve_model_info{backend="torch",device="cpu",dtype="float32",family="rnnsearch-bigru"' in text
+
+
+# ---------------------------------------------------------------------- config wiring
+
+def test_model_flag_and_default_translation_models(tmp_path, checkpoints):
+    cfg = load_config(model_specs=[f"de-en={checkpoints['bigru']},scheduling=request,max_active_hypotheses=64"])
+    m = cfg.model("de-en")
+    assert (m.scheduling, m.max_active_hypotheses, m.beam_size, m.max_source_tokens) == ("request", 64, 5, 256)
+    assert isinstance(build_runner(m), TranslationRunner)
+    for sub in ("sentiment", "qa", "translate-de-en"):
+        (tmp_path / sub).mkdir()
+    (tmp_path / "translate-de-en" / "config.json").write_text(json.dumps({"model_type": "rnnsearch"}))
+    (tmp_path / "translate-de-en-deberta").mkdir()  # no config.json yet (still being produced): skipped
+    assert [m.name for m in load_config(defaults_dir=tmp_path).models] == ["sentiment", "qa", "translate-de-en"]
+    for spec, fragment in [("scheduling=sometimes", "scheduling 'sometimes'"), ("beam_size=17", "beam_size"),
+                           ("max_active_hypotheses=0", "max_active_hypotheses")]:
+        with pytest.raises(ConfigError, match=fragment):
+            load_config(model_specs=[f"x={checkpoints['bigru']},{spec}"])
+
+
+# ---------------------------------------------------------------------- the real default, when present
+
+DEFAULT_DE_EN = REPO / "defaults" / "translate-de-en"
+
+
+@pytest.mark.skipif(not (DEFAULT_DE_EN / "model.safetensors").is_file(), reason="defaults/translate-de-en not built")
+def test_default_de_en_model_case_C10():
+    s = Running(server_config(metrics_port=None),
+                [build_runner(ModelConfig(name="de-en", path=DEFAULT_DE_EN, device="cpu"))])
+    try:
+        s.wait_serving(timeout=120)
+        res = translate(s, ["", " ", "-", "Guten Morgen"], model="de-en")
+        assert res[0].hypotheses[0].text == res[1].hypotheses[0].text == ""
+        dash = res[2].hypotheses[0]
+        assert len(dash.token_ids) <= 2 * res[2].num_source_tokens + 10
+        words = dash.text.split()
+        assert not words or max(words.count(w) for w in set(words)) <= 3, dash.text  # no runaway repetition
+        solo = translate(s, ["Guten Morgen"], model="de-en")[0]
+        assert res[3].hypotheses[0].text == solo.hypotheses[0].text and solo.hypotheses[0].text
+    finally:
+        s.close()
