@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 SERVE_ARGS ?=
 
-.PHONY: install install-test proto serve test bench clean onnx-native bench-onnx gpu-check
+.PHONY: install install-test proto serve test test-fast bench clean onnx-native bench-onnx gpu-check
 
 # Runtime install: editable package + generated gRPC stubs.
 $(BIN)/.relserve-installed: pyproject.toml
@@ -30,6 +30,10 @@ serve: install
 
 test: install-test
 	$(BIN)/python -m pytest -q
+
+# The layers that start no server (unit, models, onnx): the quick loop while editing; `make test` runs them all.
+test-fast: install-test
+	$(BIN)/python -m pytest -q tests/unit tests/models tests/onnx
 
 bench: install-test
 	$(BIN)/python -m relserve.loadtest.bench_encoder

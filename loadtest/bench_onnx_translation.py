@@ -26,7 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,7 +102,7 @@ def bench_model(path: Path, args) -> dict:
     }
     print(f"{path.name} ({row['encoder']}, batch {row['batch']}, {S} tokens, beam {args.beam}): torch/ORT time "
           + ", ".join(f"{w} {r:.2f}x" for w, r in row["torch_over_ort"].items())
-          + f" (ORT ms: " + ", ".join(f"{w} {1e3 * v:.1f}" for w, v in med["onnxruntime"].items())
+          + " (ORT ms: " + ", ".join(f"{w} {1e3 * v:.1f}" for w, v in med["onnxruntime"].items())
           + f"); beam tokens {'identical' if row['identical_beam_tokens'] else 'DIFFER'}; step |diff| {diff:.1e}")
     return row
 

@@ -78,7 +78,7 @@ def serve_and_load(model_dir: Path, options: str, scenario: str, args: argparse.
 
 def offline_throughput(model_dir: Path, texts: list[str], batch: int, seconds: float) -> dict[str, Any]:
     """Tokenize + run batches of ``batch`` texts in order, repeating the texts for about ``seconds``."""
-    from relserve.service.backends.torch_backend import TorchBackend
+    from relserve.service.backends.torch_encoder import TorchBackend
     from relserve.service.config import ModelConfig
 
     be = TorchBackend(ModelConfig(name="sentiment", path=model_dir, device="cpu", max_batch_size=batch))

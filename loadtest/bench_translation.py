@@ -27,7 +27,6 @@ import asyncio
 import json
 import random
 import statistics
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -71,7 +70,7 @@ class _Server:
 
     def __init__(self, model_dir: Path, scheduling: str, args) -> None:
         from relserve.service.config import ModelConfig, ServerConfig
-        from relserve.service.runner import build_runner
+        from relserve.service.registry import build_runner
         from relserve.service.server import InferenceServer
 
         mc = ModelConfig(name="mt", path=model_dir, device=args.device, backend=args.backend, scheduling=scheduling,
@@ -174,18 +173,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     model_dir = args.model or DEFAULT_MODEL
-    tmp = None
     if not (model_dir / "config.json").is_file():
-        if args.model:
-            raise SystemExit(f"{model_dir}: no config.json")
-        import sys
-
-        sys.path.insert(0, str(REPO / "tests"))
-        from fixtures.translation import make_tiny_checkpoint
-
-        tmp = tempfile.TemporaryDirectory()
-        model_dir = make_tiny_checkpoint(Path(tmp.name) / "tiny")
-        print(f"{DEFAULT_MODEL} missing: using a tiny random checkpoint")
+        raise SystemExit(f"{model_dir}: no config.json (an RNNsearch checkpoint directory)")
     sentences, data_path = load_sentences(args.data)
     plan = schedule(sentences, args.rate, args.duration, args.seed)
     print(f"model {model_dir}  data {data_path} ({len(sentences)} sentences)  {len(plan)} requests, "
@@ -219,8 +208,6 @@ def main(argv=None) -> int:
               f"{latency('p99', ratios['p99_request_over_iteration'])} with iteration-level batching")
     if args.json:
         print(json.dumps(results, indent=2))
-    if tmp is not None:
-        tmp.cleanup()
     return 0
 
 

@@ -3,7 +3,8 @@
 Throughput does not depend on the weights, only on the shape, so a random checkpoint with the default
 models' shape (hidden 128, 3 layers, 4 heads, intermediate 512, 64 position buckets) times the serving path
 honestly. The tokenizer is a small Unigram ``tokenizer.json`` trained in about a second on the committed
-load-test texts (same pipeline as DeBERTa-v2/v3's: Metaspace, ``[CLS] A [SEP] (B [SEP])``).
+load-test texts with :func:`relserve.models.tokenization.train_unigram_tokenizer` (the NFC pipeline that
+transformers' DeBERTa-v2/v3 tokenizer rebuilds: Metaspace, ``[CLS] A [SEP] (B [SEP])``).
 """
 
 from __future__ import annotations
@@ -11,37 +12,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .scenarios import german_sources, qa_pairs, sentences
+from relserve.models.tokenization import train_unigram_tokenizer
 
-SPECIALS = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]
+from .scenarios import german_sources, qa_pairs, sentences
 
 
 def make_tokenizer(out_dir: Path, vocab_size: int = 4000) -> Path:
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.Unigram())
-    tok.normalizer = normalizers.Sequence([
-        normalizers.Replace(Regex(r"\s{2,}|[\n\r\t]"), " "), normalizers.NFC(),
-        normalizers.Strip(left=False, right=True),
-    ])
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
-    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    """Train the small load-test tokenizer (see the module doc) into ``out_dir``; returns it."""
     lines = sentences() + [c for q, c in qa_pairs()] + [q for q, c in qa_pairs()] + german_sources()
-    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, unk_token="[UNK]",
-                                      show_progress=False, max_piece_length=12)
-    tok.train_from_iterator(lines, trainer=trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))],
-    )
-    tok.save(str(out_dir / "tokenizer.json"))
-    cfg = {"tokenizer_class": "DebertaV2Tokenizer", "do_lower_case": False, "bos_token": "[CLS]",
-           "eos_token": "[SEP]", "cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]",
-           "unk_token": "[UNK]", "mask_token": "[MASK]", "model_max_length": 512}
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
-    return out_dir
+    return train_unigram_tokenizer(lines, out_dir, vocab_size, model_max_length=512, unicode_form="NFC",
+                                   max_piece_length=12)
 
 
 def make_checkpoint(out_dir: Path, *, task: str = "classification", tokenizer_dir: Path | None = None,

@@ -1,7 +1,8 @@
 """Checkpoint directories of both model families: ``config.json``, safetensors weights, tokenizer files.
 
-DeBERTa-v2/v3 (Hugging Face layout; :func:`load_checkpoint`, :func:`save_checkpoint`). A directory holds ``config.json`` (model_type ``deberta-v2``), weights in ``model.safetensors`` or
-``pytorch_model.bin``, and tokenizer files. Weights load by name into our own modules
+DeBERTa-v2/v3 (Hugging Face layout; :func:`load_checkpoint`, :func:`save_checkpoint`). A directory holds
+``config.json`` (model_type ``deberta-v2``), weights in ``model.safetensors`` or ``pytorch_model.bin``, and
+tokenizer files. Weights load by name into our own modules
 (:mod:`relserve.models.deberta`), whose parameter names equal the HF keys. Key handling mirrors what
 transformers itself accepts:
 
@@ -13,7 +14,8 @@ transformers itself accepts:
   pre-training heads (``lm_predictions.*``, ``mask_predictions.*``, ``lm_head.*``, ``cls.*``).
 
 Anything else that does not match (missing keys, unexpected keys, wrong shapes) raises ``CheckpointError``
-naming the file and the keys.
+naming the file and the keys. Both families' weights go through the one strict load,
+:func:`load_state_dict_strict`.
 
 RNNsearch translation (:func:`load_translation_checkpoint`, :func:`save_translation_checkpoint`)::
 
@@ -27,7 +29,7 @@ RNNsearch translation (:func:`load_translation_checkpoint`, :func:`save_translat
 
 Both SentencePiece models use ``pad=0 bos=1 eos=2 unk=3``, the same ids as ``RNNSearchConfig``'s
 ``pad_token_id``/``bos_token_id``/``eos_token_id``. Errors: ``TranslationCheckpointError`` (a
-``CheckpointError``, hence ``ValueError``) naming file and problem.
+``CheckpointError``, hence ``ValueError``) naming file and problem; the weights report is the DeBERTa one.
 
 :func:`checkpoint_hash` is the sha256 of a directory's config and weights (the ONNX graph cache key and the
 provenance recorded in exported graphs).
@@ -221,30 +223,41 @@ def normalise_state_dict(
     return out
 
 
-def load_weights(model: nn.Module, sd: dict[str, torch.Tensor], config: DebertaConfig, source: str) -> None:
-    """Strict by-name load with clear errors (missing / unexpected / shape mismatch)."""
+def _more(items: list[str]) -> str:
+    """`` (+N)`` when ``items`` has N > 0 entries past the five an error message names."""
+    return f" (+{len(items) - 5})" if len(items) > 5 else ""
+
+
+def load_state_dict_strict(
+    model: nn.Module, sd: dict[str, torch.Tensor], source: str, error: type[CheckpointError] = CheckpointError
+) -> None:
+    """Load ``sd`` into ``model`` by name, every key and shape matching, each tensor cast to the model's dtype.
+
+    Both families load through here (after any key renaming, as :func:`normalise_state_dict` does for DeBERTa).
+
+    Raises:
+        error: the message is ``"<source>: "`` followed by what is wrong, each part naming the first five keys
+            and ``(+N)`` more: ``missing keys [...]``, ``unexpected keys [...] (does config.json match the
+            weights?)``, ``shape mismatch <key>: checkpoint (..) vs model (..); ...``.
+    """
     own = model.state_dict()
-    sd = normalise_state_dict(sd, set(own), config)
     missing = sorted(set(own) - set(sd))
     unexpected = sorted(set(sd) - set(own))
+    bad_shapes = [
+        f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in sd and tuple(sd[k].shape) != tuple(v.shape)
+    ]
     problems = []
     if missing:
-        problems.append(f"missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''} ({len(missing)} in all)")
+        problems.append(f"missing keys {missing[:5]}{_more(missing)}")
     if unexpected:
-        problems.append(
-            f"unexpected keys {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''} ({len(unexpected)} in all;"
-            " does config.json match the weights?)"
-        )
-    bad_shapes = [
-        f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
-        for k in own
-        if k in sd and tuple(sd[k].shape) != tuple(own[k].shape)
-    ]
+        problems.append(f"unexpected keys {unexpected[:5]}{_more(unexpected)} (does config.json match the weights?)")
     if bad_shapes:
-        problems.append("shape mismatch " + "; ".join(bad_shapes[:5]))
+        problems.append("shape mismatch " + "; ".join(bad_shapes[:5]) + _more(bad_shapes))
     if problems:
-        raise CheckpointError(f"{source}: " + "; ".join(problems))
-    model.load_state_dict({k: v for k, v in sd.items()}, strict=True)
+        raise error(f"{source}: " + "; ".join(problems))
+    model.load_state_dict({k: v.to(own[k].dtype) for k, v in sd.items()}, strict=True)
 
 
 def load_checkpoint(
@@ -270,7 +283,7 @@ def load_checkpoint(
     except ValueError as e:
         raise CheckpointError(f"{cfg_path}: {e}") from e
     sd, source = _read_state_dict(path)
-    load_weights(model, sd, config, source)
+    load_state_dict_strict(model, normalise_state_dict(sd, set(model.state_dict()), config), source)
     model = model.to(device=device, dtype=dtype).eval()
     tokenizer = None
     if load_tokenizer:
@@ -452,20 +465,7 @@ def load_translation_checkpoint(
         sd = load_file(st)
     except Exception as e:  # safetensors raises SafetensorError / OSError
         raise TranslationCheckpointError(f"{st}: cannot read safetensors file: {e}") from e
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(sd))
-    unexpected = sorted(set(sd) - set(expected))
-    bad = [f"{k}: {tuple(sd[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items() if k in sd and sd[k].shape != v.shape]
-    problems = []
-    if missing:
-        problems.append(f"missing keys {missing[:5]}" + (f" (+{len(missing) - 5})" if len(missing) > 5 else ""))
-    if unexpected:
-        problems.append(f"unexpected keys {unexpected[:5]}" + (f" (+{len(unexpected) - 5})" if len(unexpected) > 5 else ""))
-    if bad:
-        problems.append("shape mismatch " + "; ".join(bad[:5]))
-    if problems:
-        raise TranslationCheckpointError(f"{st}: " + "; ".join(problems))
-    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in sd.items()}, strict=True)
+    load_state_dict_strict(model, sd, st, TranslationCheckpointError)
     model = model.to(device=device, dtype=dtype).eval()
     return model, config, tokenizer
 

@@ -1,30 +1,34 @@
 """Greedy and beam search over the RNNsearch step API, as plain data for iteration-level batching.
 
-A decode step is schedule -> execute -> update (STYLE.md 2):
+A decode step is schedule -> execute -> update:
 
-    batch = build_step(beams)                       # plan: which source row / token / state per hypothesis
-    out = model.decode_step(batch.encoder, batch.source_index, batch.prev_tokens, batch.prev_hidden)
-    retired = apply_step(beams, batch, *out)        # per-request top-k; finished requests get .results
+    batch = build_step(beams, encoder)              # plan: which source row / token / state per hypothesis
+    log_probs, new_hidden, alignment = model.decode_step(batch.encoder, batch.source_index,
+                                                         batch.prev_tokens, batch.prev_hidden)
+    retired = apply_step(batch, log_probs, new_hidden, alignment)  # per-request top-k; finished get .results
 
 ``step(model, beams)`` does the three. A server loop keeps a list of live ``BeamState`` (one per request),
-appends new ones (``start_beams`` after ``model.encode``) and drops those with ``.done`` between steps.
-``apply_step`` never touches the model, so schedulers can be tested with fake log-probs.
+appends new ones (``start_beams`` after ``model.encode``) and drops those with ``.done`` between steps
+(``relserve.service.backends.translation_steps`` does this for the server). ``apply_step`` never touches
+the model, so schedulers can be tested with fake log-probs. Options and results are the plain types of
+:mod:`relserve.models.decode_types`.
 
 Rules (the same for every request, whatever else is in the batch):
 
 * Batch invariance: each request's candidates are selected from its own rows only; ties are broken by
   (hypothesis index, token id), lowest first, so a request decodes the same alone or with others.
-* Scores are sums of log-probabilities. Ranking uses ``score / len(tokens) ** length_penalty`` (alpha,
-  default 1.0 = per-token average; 0 = raw sum). ``len(tokens)`` counts the final EOS.
-* Output length limit: ``max_length = min(int(max_len_a * src_len + max_len_b), max_len_cap)`` (at least 1),
-  counting EOS; ``src_len`` = real source tokens.
+* ``log_prob`` is the sum of token log-probabilities; ranking uses ``score = log_prob / len(tokens) **
+  length_penalty`` (alpha, default 1.0 = per-token average; 0 = raw sum). ``len(tokens)`` counts the EOS.
+* Output length limit: ``DecodeOptions.max_length_for(src_len)`` target tokens, EOS included (the request's
+  explicit ``max_length``, else ``min(int(max_len_a * src_len + max_len_b), max_len_cap)``, at least 1);
+  ``src_len`` = real source tokens.
 * A hypothesis that selects EOS is finished: its ``tokens`` end with exactly one EOS and it never grows.
   ``pad_token_id`` and ``bos_token_id`` are never generated.
 * Beam: each step takes the 2k best continuations; EOS ones ranked within the first k are finished, the
   best k non-EOS ones stay live (fairseq's rule). A request is done once it has k finished hypotheses,
-  or when it reaches ``max_length`` (its live hypotheses then become ``truncated``). Results: the best
+  or when it reaches its length limit (its live hypotheses then become ``truncated``). Results: the best
   ``n_best`` finished ones; if fewer than ``n_best`` finished, truncated ones fill the list; the list is
-  sorted by normalised score and is never empty (C09).
+  sorted by ``score`` and is never empty (C09).
 * Greedy is beam search with ``beam_size = n_best = 1``.
 
 The model must be in eval mode (dropout off). Batch invariance is exact in the selection logic; the
@@ -34,55 +38,18 @@ scores agree to ~1e-6 and only a near-exact tie could be resolved differently (n
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from .decode_types import DecodeOptions, Hypothesis
 from .rnnsearch import EncoderState, RNNSearch
 
-
-@dataclass(frozen=True)
-class DecodeOptions:
-    """Per-request decoding knobs."""
-
-    beam_size: int = 5
-    n_best: int = 1
-    length_penalty: float = 1.0  # alpha in score / len ** alpha
-    max_len_a: float = 2.0
-    max_len_b: int = 10
-    max_len_cap: int = 256
-    return_alignment: bool = False
-
-    def __post_init__(self) -> None:
-        if self.beam_size < 1:
-            raise ValueError(f"beam_size must be >= 1, got {self.beam_size}")
-        if not 1 <= self.n_best <= self.beam_size:
-            raise ValueError(f"n_best must be in [1, beam_size={self.beam_size}], got {self.n_best}")
-        if self.max_len_cap < 1:
-            raise ValueError(f"max_len_cap must be >= 1, got {self.max_len_cap}")
-
-    def max_length(self, src_len: int) -> int:
-        return max(1, min(int(self.max_len_a * src_len + self.max_len_b), self.max_len_cap))
-
-
-@dataclass
-class Hypothesis:
-    """One output. ``tokens`` end with EOS iff ``finished``; ``truncated`` = stopped by the length limit.
-
-    ``alignment`` Float[len(tokens), src_len] (row i = α_i over the real source tokens) when requested."""
-
-    tokens: list[int]
-    score: float
-    normalized_score: float
-    finished: bool
-    truncated: bool
-    alignment: Tensor | None = None
-
-    def output_tokens(self, eos_token_id: int) -> list[int]:
-        """Tokens without the final EOS (what detokenization needs)."""
-        return self.tokens[:-1] if self.tokens and self.tokens[-1] == eos_token_id else list(self.tokens)
+__all__ = ["DecodeOptions", "Hypothesis", "BeamState", "StepBatch", "start_beams", "new_beam", "build_step",
+           "apply_step", "step", "beam_search", "greedy_search"]
 
 
 @dataclass
@@ -150,7 +117,7 @@ def new_beam(
         request_id=request_id,
         encoder=encoder,
         options=options,
-        max_length=options.max_length(src_len),
+        max_length=options.max_length_for(src_len),
         eos_token_id=eos_token_id,
         banned_token_ids=tuple(banned_token_ids),
         tokens=torch.zeros(1, 0, dtype=torch.long),
@@ -223,7 +190,7 @@ def _select_candidates(candidates: Tensor, count: int) -> tuple[list[int], list[
 
 
 def _finish(beam: BeamState, truncated: list[Hypothesis]) -> None:
-    n_best, key = beam.options.n_best, (lambda h: -h.normalized_score)
+    n_best, key = beam.options.n_best, (lambda h: -h.score)
     results = sorted(beam.finished, key=key)[:n_best]  # sorted() is stable: earlier-finished wins ties
     if len(results) < n_best:
         results = sorted(results + sorted(truncated, key=key)[: n_best - len(results)], key=key)
@@ -271,8 +238,8 @@ def _update_beam(beam: BeamState, log_probs: Tensor, new_hidden: Tensor, alignme
                 beam.finished.append(
                     Hypothesis(
                         tokens=beam.tokens[row].tolist() + [eos],
-                        score=score,
-                        normalized_score=_normalize(score, length, opts.length_penalty),
+                        log_prob=score,
+                        score=_normalize(score, length, opts.length_penalty),
                         finished=True,
                         truncated=False,
                         alignment=align,
@@ -302,8 +269,8 @@ def _update_beam(beam: BeamState, log_probs: Tensor, new_hidden: Tensor, alignme
         truncated = [
             Hypothesis(
                 tokens=beam.tokens[i].tolist(),
-                score=s,
-                normalized_score=_normalize(s, length, opts.length_penalty),
+                log_prob=s,
+                score=_normalize(s, length, opts.length_penalty),
                 finished=False,
                 truncated=True,
                 alignment=None if beam.alignment is None else beam.alignment[i].cpu(),
@@ -345,14 +312,5 @@ def greedy_search(
     model: RNNSearch, src_ids: Tensor, src_mask: Tensor, options: DecodeOptions | None = None
 ) -> list[Hypothesis]:
     """Greedy decoding (beam search with beam_size = n_best = 1); one hypothesis per source."""
-    base = options or DecodeOptions()
-    opts = DecodeOptions(
-        beam_size=1,
-        n_best=1,
-        length_penalty=base.length_penalty,
-        max_len_a=base.max_len_a,
-        max_len_b=base.max_len_b,
-        max_len_cap=base.max_len_cap,
-        return_alignment=base.return_alignment,
-    )
+    opts = dataclasses.replace(options or DecodeOptions(), beam_size=1, n_best=1)
     return [hyps[0] for hyps in beam_search(model, src_ids, src_mask, opts)]

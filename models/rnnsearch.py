@@ -346,14 +346,19 @@ class AttentionDecoder(nn.Module):
         -> (logits Float[N,K_y] of y_i, s_i Float[N,n], α_i Float[N,S])."""
         prev_embedding = self.dropout(self.embeddings(prev_tokens))  # E y_{i-1}: Float[N,m]
         context, alignment = self.alignment(prev_state, annotations, projected_annotations, mask)
-        # Deep output with maxout: t̃_i = U_o s_{i-1} + V_o E y_{i-1} + C_o c_i, Float[N,2l] -> t_i Float[N,l]
-        t_tilde = (
-            self.out_state_proj(prev_state) + self.out_embedding_proj(prev_embedding) + self.out_context_proj(context)
-        )
-        t = t_tilde.view(t_tilde.shape[0], -1, 2).max(dim=-1).values
-        logits = self.output_proj(self.dropout(t))  # W_o t_i: Float[N,K_y]
+        logits = self.deep_output(prev_state, prev_embedding, context)
         new_state = self.gru(self.gru.input_proj(prev_embedding), prev_state, context)  # s_i
         return logits, new_state, alignment
+
+    def deep_output(self, prev_state: Tensor, prev_embedding: Tensor, context: Tensor) -> Tensor:
+        """Deep output with maxout (A.2.2): ``t̃_i = U_o s_{i-1} + V_o E y_{i-1} + C_o c_i``,
+        ``t_i,k = max(t̃_i,2k-1, t̃_i,2k)``, logits ``W_o t_i``. Any leading dims ``[...]``: s_{i-1}
+        Float[...,n], E y_{i-1} Float[...,m], c_i Float[...,A] -> logits Float[...,K_y]."""
+        t_tilde = (
+            self.out_state_proj(prev_state) + self.out_embedding_proj(prev_embedding) + self.out_context_proj(context)
+        )  # Float[...,2l]
+        t = t_tilde.unflatten(-1, (-1, 2)).max(dim=-1).values  # Float[...,l]
+        return self.output_proj(self.dropout(t))  # Float[...,K_y]
 
 
 class RNNSearch(nn.Module):
@@ -399,16 +404,25 @@ class RNNSearch(nn.Module):
         return torch.log_softmax(logits.float(), dim=-1), new_hidden, alignment
 
     def forward(self, src_ids: Tensor, src_mask: Tensor, tgt_in: Tensor) -> Tensor:
-        """Teacher forcing: ``tgt_in`` Long[B,T] = [bos, y_1, ..., y_{T-1}] -> logits Float[B,T,K_y]."""
+        """Teacher forcing (training): ``src_ids`` Long[B,S], ``src_mask`` [B,S] (right-padded),
+        ``tgt_in`` Long[B,T] = [bos, y_1, ..., y_{T-1}] -> logits Float[B,T,K_y] of y_1..y_T.
+
+        The same maths as ``encode`` + ``decode_step`` fed the reference tokens (``decode_step``'s log-probs
+        are ``log_softmax`` of these logits). Only the recurrence (alignment, GRU) is stepped; the target
+        embeddings, the GRU input projections and the deep output run once over all T positions."""
         state = self.encode(src_ids, src_mask)
-        hidden = state.init_state
-        logits = []
+        dec = self.decoder
+        prev_embedding = dec.dropout(dec.embeddings(tgt_in))  # E y_{i-1}: Float[B,T,m]
+        gru_in = dec.gru.input_proj(prev_embedding)  # Float[B,T,3n]
+        hidden = state.init_state  # s_0: Float[B,n]
+        prev_states, contexts = [], []
         for i in range(tgt_in.shape[1]):
-            step_logits, hidden, _ = self.decoder.step(
-                tgt_in[:, i], hidden, state.annotations, state.projected_annotations, state.mask
-            )
-            logits.append(step_logits)
-        return torch.stack(logits, dim=1)  # Float[B,T,K_y]
+            context, _ = dec.alignment(hidden, state.annotations, state.projected_annotations, state.mask)
+            prev_states.append(hidden)
+            contexts.append(context)
+            hidden = dec.gru(gru_in[:, i], hidden, context)  # s_i
+        # s_{i-1} Float[B,T,n], c_i Float[B,T,A] -> Float[B,T,K_y]
+        return dec.deep_output(torch.stack(prev_states, 1), prev_embedding, torch.stack(contexts, 1))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ special ids ``pad=0 bos=1 eos=2 unk=3``): :class:`TranslationTokenizer` encodes 
 followed by EOS and decodes target ids up to the first EOS; :func:`train_sentencepiece` makes such a model.
 
 Both DeBERTa serialisations give the DeBERTa template ``[CLS] A [SEP]`` / ``[CLS] A [SEP] B [SEP]`` with token type ids
-0 for ``[CLS] A [SEP]`` and 1 for ``B [SEP]``.
+0 for ``[CLS] A [SEP]`` and 1 for ``B [SEP]``. :func:`train_unigram_tokenizer` is the one recipe that trains
+such a ``tokenizer.json`` directory (the trainer's command line, the test fixtures and the load test use it).
 
 Units: all lengths are in tokens including special tokens unless said otherwise; all offsets are Python
 ``str`` indices (code points), end exclusive.
@@ -32,6 +33,7 @@ import json
 import os
 import unicodedata
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable, Sequence
 
 Offset = tuple[int, int]
@@ -53,6 +55,23 @@ _WHITE_SPACE = frozenset(
     "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a"
     "\u2028\u2029\u202f\u205f\u3000"
 )
+
+# What counts as "nothing there" in user text, one definition for every task: besides ``str.isspace()``
+# characters, the zero-width ones that real text carries invisibly (XQuAD contexts have U+FEFF and
+# U+200B): zero-width space/non-joiner/joiner, word joiner and the BOM. A text made only of these is blank
+# (INVALID_ARGUMENT for classification and QA, "" for translation, C10), and answer spans never start or
+# end on them (C07).
+INVISIBLE = frozenset("\u200b\u200c\u200d\u2060\ufeff")
+
+
+def is_blank_char(ch: str) -> bool:
+    """True for whitespace and the zero-width characters of ``INVISIBLE``."""
+    return ch.isspace() or ch in INVISIBLE
+
+
+def is_blank(text: str) -> bool:
+    """True when ``text`` has no character other than whitespace and zero-width characters."""
+    return all(is_blank_char(ch) for ch in text)
 
 
 @dataclass(frozen=True)
@@ -446,6 +465,125 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
         vocab_size=vocab_size,
         special_token_ids=special_ids,
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training a DeBERTa-style Unigram tokenizer.json
+# ---------------------------------------------------------------------------------------------------------
+
+# DeBERTa-v3's special tokens, in id order: [PAD]=0 [CLS]=1 [SEP]=2 [UNK]=3 [MASK]=4
+UNIGRAM_SPECIAL_TOKENS = ("[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]")
+UNICODE_FORMS = ("NFKC", "NFC")
+
+
+def train_unigram_tokenizer(
+    lines: Iterable[str],
+    out_dir: str | os.PathLike,
+    vocab_size: int = 8000,
+    model_max_length: int = 512,
+    unicode_form: str = "NFKC",
+    max_piece_length: int = 16,
+) -> Path:
+    """Train a SentencePiece-style Unigram tokenizer on ``lines`` and write a tokenizer directory.
+
+    The directory holds ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` and
+    loads with :func:`load_tokenizer` and with transformers' ``AutoTokenizer.from_pretrained``. Pipeline:
+    whitespace runs and single ``\\n \\r \\t`` -> one space, Unicode normalisation, strip right; Metaspace
+    ``▁`` pre-tokenizer (prefix space always); Unigram model (``tokenizers`` ``UnigramTrainer``, pieces of
+    at most ``max_piece_length`` characters); DeBERTa template ``[CLS] A [SEP] (B [SEP])`` with type ids
+    0/1; special ids as in DeBERTa-v3 (``UNIGRAM_SPECIAL_TOKENS``).
+
+    ``unicode_form``:
+
+    * ``"NFKC"`` (relserve's own tokenizers): NFKC before the whitespace step, so compatibility characters
+      (ligatures, full-width letters) fold first. ``tokenizer_class`` is ``PreTrainedTokenizerFast`` on
+      purpose: transformers 5 rebuilds a ``DebertaV2Tokenizer`` from the vocabulary alone (NFC, its own
+      normaliser), which would drop the NFKC step; the generic class uses ``tokenizer.json`` as written.
+    * ``"NFC"``: exactly the pipeline transformers 5 ``DebertaV2Tokenizer`` rebuilds (whitespace, NFC,
+      strip right), declared as ``DebertaV2Tokenizer`` (``do_lower_case`` false), so transformers reads it
+      with its DeBERTa tokenizer class (the test fixtures and random load-test checkpoints).
+
+    Deterministic for a given ``lines`` and size: the ``tokenizers`` Unigram trainer sums floats in hash-map
+    order (last-bit jitter between runs, and a different order among equal scores), so piece scores are
+    rounded to 1e-8 and pieces after the specials are sorted by (score descending, piece) before saving;
+    the same input gives the same bytes. Returns the directory's path.
+
+    Raises:
+        ValueError: ``unicode_form`` is not one of ``UNICODE_FORMS``.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    if unicode_form not in UNICODE_FORMS:
+        raise ValueError(f"unicode_form {unicode_form!r}: expected one of {UNICODE_FORMS}")
+    whitespace = normalizers.Replace(Regex(r"\s{2,}|[\n\r\t]"), " ")
+    strip = normalizers.Strip(left=False, right=True)
+    steps = [normalizers.NFKC(), whitespace] if unicode_form == "NFKC" else [whitespace, normalizers.NFC()]
+    tok = Tokenizer(models.Unigram())
+    tok.normalizer = normalizers.Sequence([*steps, strip])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    trainer = trainers.UnigramTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(UNIGRAM_SPECIAL_TOKENS),
+        unk_token="[UNK]",
+        max_piece_length=max_piece_length,
+        show_progress=False,
+    )
+    tok.train_from_iterator(lines, trainer=trainer)
+    for i, t in enumerate(UNIGRAM_SPECIAL_TOKENS):
+        assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 1), ("[SEP]", 2)],
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(_canonical_unigram_json(tok.to_str()), encoding="utf-8")
+    special_map = {
+        "bos_token": "[CLS]",
+        "eos_token": "[SEP]",
+        "cls_token": "[CLS]",
+        "sep_token": "[SEP]",
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+        "mask_token": "[MASK]",
+    }
+    if unicode_form == "NFKC":
+        config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    else:
+        config = {"tokenizer_class": "DebertaV2Tokenizer", "do_lower_case": False}
+    config.update({
+        "model_max_length": model_max_length,
+        "padding_side": "right",
+        "truncation_side": "right",
+        "model_input_names": ["input_ids", "token_type_ids", "attention_mask"],
+        **special_map,
+    })
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def _canonical_unigram_json(serialized: str) -> str:
+    """Round scores and order pieces canonically (see :func:`train_unigram_tokenizer`); specials keep 0..4."""
+    data = json.loads(serialized)
+    vocab = [(p, round(float(sc), 8)) for p, sc in data["model"]["vocab"]]
+    n = len(UNIGRAM_SPECIAL_TOKENS)
+    assert tuple(p for p, _ in vocab[:n]) == UNIGRAM_SPECIAL_TOKENS
+    rest = vocab[n:]
+    # The trainer appends required single characters below every learned piece with scores that step
+    # down in hash-map order; hand the same score values out in code point order instead.
+    floor = min((sc for p, sc in rest if len(p) > 1), default=0.0)
+    tail = [(p, sc) for p, sc in rest if len(p) == 1 and sc < floor]
+    if tail:
+        tail_scores = sorted((sc for _, sc in tail), reverse=True)
+        tail_pieces = set(p for p, _ in tail)
+        rest = [ps for ps in rest if ps[0] not in tail_pieces]
+        rest += list(zip(sorted(tail_pieces), tail_scores))
+    data["model"]["vocab"] = vocab[:n] + sorted(rest, key=lambda ps: (-ps[1], ps[0]))
+    data["model"]["unk_id"] = UNIGRAM_SPECIAL_TOKENS.index("[UNK]")
+    return json.dumps(data, ensure_ascii=False, indent=2) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------------------

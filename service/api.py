@@ -1,8 +1,10 @@
 """The relserve.v1.Inference servicer (grpc.aio): validate, call the model runner, build the reply.
 
-Errors are mapped in one place, :func:`_rpc`, using the table in :mod:`relserve.service.errors`; the
-handlers only raise domain exceptions. Request metrics (count by code, duration, in-flight) are recorded
-there too. No torch here.
+Each request is validated once, before any tokenizing, by its task's ``validate_*`` in
+:mod:`relserve.service.tasks` (against the runner's limits); the runner gets the checked values. Errors are
+mapped in one place, :func:`_rpc`, using the table in :mod:`relserve.service.errors`; the handlers only
+raise domain exceptions. Request metrics (count by code, duration, in-flight) are recorded there too. No
+torch here.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import time
 from typing import Any, Awaitable, Callable
 
@@ -18,15 +19,15 @@ import grpc
 
 from . import metrics
 from ._proto import inference_pb2, inference_pb2_grpc
-from .backends import TASK_CLASSIFICATION, TASK_QA, TASK_TRANSLATION
-from .errors import InvalidArgument, ResourceExhausted, to_status
-from .runner import ModelRegistry
-from .tasks.text import is_blank
+from .backends.base import TASK_CLASSIFICATION, TASK_QA, TASK_TRANSLATION
+from .errors import ResourceExhausted, to_status
+from .registry import ModelRegistry
+from .tasks import classify, qa, translate
+from .tasks.translate import TranslationItem
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "relserve.v1.Inference"
-MAX_QA_TOP_K = 20
 
 
 class _Scope:
@@ -122,28 +123,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     @_rpc(TASK_CLASSIFICATION)
     async def Classify(self, request, context, scope):
         runner = self._enter(scope, request.model, TASK_CLASSIFICATION)
-        texts = list(request.texts)
-        pairs = list(request.text_pairs)
-        if not texts:
-            raise InvalidArgument("texts is empty; send at least one text")
-        for i, t in enumerate(texts):
-            if is_blank(t):
-                raise InvalidArgument(f"texts[{i}] is empty or only whitespace; send at least one non-space character")
-        if pairs:
-            if len(pairs) != len(texts):
-                raise InvalidArgument(
-                    f"text_pairs has {len(pairs)} entries but texts has {len(texts)}; send one pair per text or none"
-                )
-            for i, p in enumerate(pairs):
-                if is_blank(p):
-                    raise InvalidArgument(f"text_pairs[{i}] is empty or only whitespace")
-        num_labels = len(runner.info().labels)
-        if num_labels and request.top_k > num_labels:
-            raise InvalidArgument(
-                f"top_k {request.top_k} exceeds the {num_labels} labels of model {runner.name!r}; "
-                f"use 0 for all labels"
-            )
-        items, _timings = await runner.classify(texts, pairs or None, int(request.top_k), _deadline(context))
+        texts, pairs = classify.validate_classify(list(request.texts), list(request.text_pairs), int(request.top_k),
+                                                  len(runner.info().labels), runner.name)
+        items, _timings = await runner.classify(texts, pairs, int(request.top_k), _deadline(context))
         reply = inference_pb2.ClassifyResponse()
         for item in items:
             r = reply.results.add(truncated=item.truncated, num_tokens=item.num_tokens)
@@ -154,30 +136,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     @_rpc(TASK_QA)
     async def Answer(self, request, context, scope):
         runner = self._enter(scope, request.model, TASK_QA)
-        if is_blank(request.question):
-            raise InvalidArgument("question is empty or only whitespace")
-        if is_blank(request.context):
-            raise InvalidArgument("context is empty or only whitespace")
-        max_seq_len = runner.max_seq_len
-        top_k = request.top_k or 1
-        if top_k > MAX_QA_TOP_K:
-            raise InvalidArgument(f"top_k {request.top_k} is too large; the limit is {MAX_QA_TOP_K} answers")
-        max_answer_len = request.max_answer_len or runner.config.max_answer_len
-        if max_answer_len > max_seq_len:
-            raise InvalidArgument(
-                f"max_answer_len {max_answer_len} must be between 1 and max_seq_len {max_seq_len} tokens"
-            )
-        doc_stride = request.doc_stride or runner.config.doc_stride
-        if doc_stride >= max_seq_len:
-            raise InvalidArgument(
-                f"doc_stride {doc_stride} must be smaller than max_seq_len {max_seq_len} tokens"
-            )
-        null_threshold = request.null_threshold if request.HasField("null_threshold") else 0.0
-        if math.isnan(null_threshold):
-            raise InvalidArgument("null_threshold is NaN; send a number (or +inf to always answer)")
+        opts = qa.validate_answer(
+            request.question, request.context, top_k=int(request.top_k), max_answer_len=int(request.max_answer_len),
+            doc_stride=int(request.doc_stride), allow_impossible=request.allow_impossible,
+            null_threshold=request.null_threshold if request.HasField("null_threshold") else None,
+            max_seq_len=runner.max_seq_len, default_max_answer_len=runner.config.max_answer_len,
+            default_doc_stride=runner.config.doc_stride,
+        )
         result = await runner.answer(
-            request.question, request.context, top_k=top_k, max_answer_len=max_answer_len,
-            doc_stride=doc_stride, allow_impossible=request.allow_impossible, null_threshold=null_threshold,
+            request.question, request.context, top_k=opts.top_k, max_answer_len=opts.max_answer_len,
+            doc_stride=opts.doc_stride, allow_impossible=opts.allow_impossible, null_threshold=opts.null_threshold,
             deadline=_deadline(context),
         )
         reply = inference_pb2.AnswerResponse(num_windows=result.num_windows)
@@ -187,18 +155,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     # ------------------------------------------------------------------ translation
 
-    def _translation_request(self, runner, request):
-        return runner.request(int(request.beam_size), int(request.n_best), int(request.max_length),
-                              bool(request.return_alignment))
+    @staticmethod
+    def _decode_options(runner, request, texts):
+        return translate.validate_translate(texts, beam_size=int(request.beam_size), n_best=int(request.n_best),
+                                            max_length=int(request.max_length),
+                                            return_alignment=bool(request.return_alignment), config=runner.config)
 
     @_rpc(TASK_TRANSLATION)
     async def Translate(self, request, context, scope):
         runner = self._enter(scope, request.model, TASK_TRANSLATION)
         texts = list(request.texts)
-        if not texts:
-            raise InvalidArgument("texts is empty; send at least one text")
-        req = self._translation_request(runner, request)
-        items = await runner.translate(texts, req, _deadline(context))
+        options = self._decode_options(runner, request, texts)
+        items = await runner.translate(texts, options, _deadline(context))
         reply = inference_pb2.TranslateResponse()
         for item in items:
             _translation_result(reply.results.add(), item)
@@ -207,8 +175,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     @_rpc(TASK_TRANSLATION)
     async def TranslateStream(self, request, context, scope):
         runner = self._enter(scope, request.model, TASK_TRANSLATION)
-        req = self._translation_request(runner, request)
-        async for event in runner.translate_stream(request.text, req, _deadline(context)):
+        options = self._decode_options(runner, request, [request.text])
+        async for event in runner.translate_stream(request.text, options, _deadline(context)):
             msg = inference_pb2.TranslateStreamResponse(text=event.text, tokens=event.tokens, step=event.step,
                                                         final=event.final)
             if event.result is not None:
@@ -216,12 +184,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             await context.write(msg)
 
 
-def _translation_result(out, item) -> None:
+def _translation_result(out, item: TranslationItem) -> None:
     out.num_source_tokens = item.num_source_tokens
     for h in item.hypotheses:
-        hyp = out.hypotheses.add(text=h.text, score=h.score, log_prob=h.log_prob, tokens=h.tokens,
-                                 token_ids=h.token_ids, truncated=h.truncated)
-        if h.alignment is not None:
-            hyp.alignment.source_tokens.extend(h.alignment.source_tokens)
-            hyp.alignment.target_tokens.extend(h.alignment.target_tokens)
-            hyp.alignment.weights.extend(h.alignment.weights)
+        hyp = out.hypotheses.add(text=h.text, score=h.score, log_prob=h.log_prob, tokens=h.output_pieces,
+                                 token_ids=h.output_tokens, truncated=h.truncated)
+        if h.alignment is not None:  # rows: one per token, EOS included; row-major target x source
+            hyp.alignment.source_tokens.extend(item.source_pieces)
+            hyp.alignment.target_tokens.extend(h.pieces)
+            hyp.alignment.weights.extend(float(w) for row in h.alignment for w in row)

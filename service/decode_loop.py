@@ -25,8 +25,9 @@ is an Exception, or carries a non-finite score, fails only its own sequence.
 group of sequences is admitted only when the loop is empty and decoded to completion before the next
 group is admitted (no joining between steps).
 
-The backend contract (:class:`StepBackend`) is three calls over plain data; the torch implementation is
-``relserve.service.backends.translation_torch``; tests drive the loop with fakes.
+The backend contract (:class:`relserve.service.backends.base.StepBackend`) is three calls over the plain
+data of that module; each sequence carries its :class:`relserve.models.decode_types.DecodeOptions` and
+finishes with a list of :class:`relserve.models.decode_types.Hypothesis`. Tests drive the loop with fakes.
 """
 
 from __future__ import annotations
@@ -38,91 +39,17 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Callable, Sequence
+
+from relserve.models.decode_types import DecodeOptions, Hypothesis
 
 from . import queueing
+from .backends.base import SeqUpdate, StartItem, StepBackend, StepPlan
+from .config import SCHEDULING
 from .errors import DeadlineExceeded, Internal, ResourceExhausted, Unavailable
 from .queueing import fail
 
 log = logging.getLogger(__name__)
-
-SCHEDULING = ("iteration", "request")
-
-
-# ---------------------------------------------------------------------------------------------- plain data
-
-@dataclass(frozen=True)
-class DecodeParams:
-    """Per-sequence decoding knobs, already validated and resolved (``max_length`` counts the EOS)."""
-
-    beam_size: int = 5
-    n_best: int = 1
-    max_length: int = 64
-    length_penalty: float = 1.0
-    return_alignment: bool = False
-
-
-@dataclass
-class HypothesisOut:
-    """One output hypothesis. ``token_ids`` exclude the final EOS; ``alignment`` (when asked) is a float
-    array ``[len(token_ids) + finished, source_len]`` (row i: attention weights when target token i was
-    produced)."""
-
-    token_ids: list[int]
-    log_prob: float
-    score: float          # length-normalised (the ranking key)
-    finished: bool
-    truncated: bool
-    alignment: Any = None
-
-
-@dataclass
-class SeqUpdate:
-    """What one step did to one sequence."""
-
-    live: int                     # live hypotheses after the step (0 once finished)
-    best_tokens: list[int]        # the best live hypothesis so far (result's best once finished)
-    best_score: float             # its summed log-probability
-    results: list[HypothesisOut] | None = None  # set in the step where the sequence finished
-
-
-@dataclass(frozen=True)
-class StartItem:
-    seq_id: int
-    source_ids: list[int]
-    params: DecodeParams
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """One decoder step: the active sequences (admission order) and their live hypothesis counts."""
-
-    seq_ids: tuple[int, ...]
-    hypotheses: tuple[int, ...]
-
-    @property
-    def total(self) -> int:
-        return sum(self.hypotheses)
-
-
-class StepBackend(Protocol):
-    """What the loop needs from a model. All calls come from the loop's executor thread, one at a time."""
-
-    name: str
-
-    def start(self, items: Sequence[StartItem]) -> Sequence[int | Exception]:
-        """Encode the sources (one padded batch) and create their beams; per item its live hypotheses
-        (1 at the start) or an Exception."""
-        ...
-
-    def step(self, plan: StepPlan) -> Sequence[SeqUpdate | Exception]:
-        """Advance every live hypothesis of the planned sequences by one token; one update per sequence.
-        A sequence whose update has ``results`` is finished and forgotten by the backend."""
-        ...
-
-    def release(self, seq_ids: Sequence[int]) -> None:
-        """Forget these sequences (dropped: cancelled, expired, failed). Unknown ids are ignored."""
-        ...
 
 
 class LoopObserver:
@@ -147,7 +74,7 @@ class DecodeSeq:
 
     seq_id: int
     source_ids: list[int]
-    params: DecodeParams
+    options: DecodeOptions
     deadline: float | None
     future: asyncio.Future
     on_update: OnUpdate | None = None
@@ -163,7 +90,7 @@ class DecodeSeq:
         return len(self.source_ids)
 
     @property
-    def result(self) -> list[HypothesisOut]:
+    def result(self) -> list[Hypothesis]:
         return self.future.result()
 
 
@@ -268,9 +195,9 @@ class DecodeLoop:
 
     # ------------------------------------------------------------------ submission
 
-    def submit(self, items: Sequence[tuple[list[int], DecodeParams]], deadline: float | None = None,
+    def submit(self, items: Sequence[tuple[list[int], DecodeOptions]], deadline: float | None = None,
                on_update: OnUpdate | None = None) -> list[DecodeSeq]:
-        """Enqueue ``(source_ids, params)`` items as the sequences of one request (all or none).
+        """Enqueue ``(source_ids, options)`` items as the sequences of one request (all or none).
 
         Raises:
             Unavailable: closed or not started.
@@ -290,17 +217,17 @@ class DecodeLoop:
             )
         loop = asyncio.get_running_loop()
         seqs = [
-            DecodeSeq(seq_id=next(self._ids), source_ids=list(ids), params=params, deadline=deadline,
+            DecodeSeq(seq_id=next(self._ids), source_ids=list(ids), options=options, deadline=deadline,
                       future=loop.create_future(), on_update=on_update, enqueued_at=now)
-            for ids, params in items
+            for ids, options in items
         ]
         self._waiting.extend(seqs)
         self.observer.queue_depth(len(self._waiting))
         self._wake.set()
         return seqs
 
-    async def run(self, items: Sequence[tuple[list[int], DecodeParams]], deadline: float | None = None
-                  ) -> list[list[HypothesisOut]]:
+    async def run(self, items: Sequence[tuple[list[int], DecodeOptions]], deadline: float | None = None
+                  ) -> list[list[Hypothesis]]:
         """Submit and wait; one n-best list per item, in order."""
         seqs = self.submit(items, deadline)
         await self.wait(seqs, deadline)
@@ -395,12 +322,12 @@ class DecodeLoop:
     def _full_admission_waiting(self) -> bool:
         if len(self._waiting) >= self.max_batch_size:
             return True
-        if sum(s.params.beam_size for s in self._waiting) >= self.max_active_hypotheses:
+        if sum(s.options.beam_size for s in self._waiting) >= self.max_active_hypotheses:
             return True
         return len(self._waiting) * max(s.tokens for s in self._waiting) >= self.max_batch_tokens
 
     def _reserved(self) -> int:
-        return sum(s.params.beam_size for s in self._active)
+        return sum(s.options.beam_size for s in self._active)
 
     def _take_admissions(self) -> list[DecodeSeq]:
         """Oldest first, stopping at the first that does not fit (strict FIFO)."""
@@ -411,12 +338,12 @@ class DecodeLoop:
             if len(chosen) >= self.max_batch_size:
                 break
             empty = not chosen and not self._active
-            if reserved + s.params.beam_size > self.max_active_hypotheses and not empty:
+            if reserved + s.options.beam_size > self.max_active_hypotheses and not empty:
                 break
             if (len(chosen) + 1) * max(longest, s.tokens) > self.max_batch_tokens and chosen:
                 break
             chosen.append(s)
-            reserved += s.params.beam_size
+            reserved += s.options.beam_size
             longest = max(longest, s.tokens)
         if chosen:
             self._waiting = self._waiting[len(chosen):]
@@ -428,7 +355,7 @@ class DecodeLoop:
         start = time.monotonic()
         for s in batch:
             s.queue_s = start - s.enqueued_at
-        items = [StartItem(s.seq_id, s.source_ids, s.params) for s in batch]
+        items = [StartItem(s.seq_id, s.source_ids, s.options) for s in batch]
         self.encoder_batches += 1
         results, _ = await queueing.call_backend(  # a failure fails only this encoder batch
             self._executor, self.backend.start, items, batch,

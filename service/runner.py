@@ -1,26 +1,32 @@
-"""A served model: backend + batcher + task pre/post-processing, behind two coroutines.
+"""A served model: backend + scheduler + task pre/post-processing, behind a few coroutines.
 
-``ModelRunner`` is the seam between the gRPC layer and the rest: the server takes a list of runners
-(built from the config by :func:`build_runner`, or built by a test around a fake backend and fake task
-processing) and the servicer only calls ``classify`` / ``answer`` / ``info``.
+:class:`Runner` is the lifecycle every served model shares (load and warm-up, start, ready, info, close,
+the UNAVAILABLE answer before it is ready). :class:`ModelRunner` serves encoder models (classification,
+QA) through the batcher; ``relserve.service.translation.TranslationRunner`` serves translation models
+through the decode loop. The server takes a list of runners (built from the config by
+``relserve.service.registry.build_runner``, or built by a test around a fake backend and fake task
+processing); the servicer validates each request once (``relserve.service.tasks``) and calls ``classify`` /
+``answer`` / ``translate`` / ``info``.
 
-No torch here: the backend is reached through the contract in :mod:`relserve.service.backends`.
+No torch here: the backend is reached through the contracts in :mod:`relserve.service.backends.base`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
+import numpy as np
+
 from . import metrics
-from .backends import TASK_CLASSIFICATION, TASK_QA, Backend, ModelMeta
+from .backends.base import TASK_QA, Backend, ModelMeta
 from .batcher import Batcher, BatchStats, Unit
 from .config import ModelConfig
-from .errors import ConfigError, FailedPrecondition, Internal, InvalidArgument, NotFound, Unavailable
+from .errors import ConfigError, Internal, InvalidArgument, Unavailable
+from .tasks import classify, qa
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +51,9 @@ class DefaultTaskProcessing:
     """Adapter over ``relserve.service.tasks.classify`` and ``relserve.service.tasks.qa``."""
 
     def classify_preprocess(self, tokenizer, texts, pairs, max_seq_len):
-        from .tasks import classify
-
         return classify.preprocess(tokenizer, texts, pairs, max_seq_len)
 
     def classify_postprocess(self, logits, meta, top_k):
-        from .tasks import classify
-
         id2label = {i: label for i, label in enumerate(meta.labels)}
         return classify.postprocess(logits, id2label, meta.problem_type, top_k)
 
@@ -60,8 +62,6 @@ class DefaultTaskProcessing:
 
     def qa_best_answers(self, windows, logits, context, *, top_k, max_answer_len, allow_impossible,
                         null_threshold):
-        from .tasks import qa
-
         return qa.best_answers(
             windows, [s for s, _ in logits], [e for _, e in logits], context,
             top_k=top_k, max_answer_len=max_answer_len, allow_impossible=allow_impossible,
@@ -121,44 +121,41 @@ class AnswerResult:
     timings: Timings = field(default_factory=Timings)
 
 
-class ModelRunner:
-    """One loaded model. Lifecycle: ``load()`` (blocking: load + warm-up, run it in a thread), then
-    ``await start()`` (batcher on the loop), then requests, then ``await close()``.
+class Runner:
+    """One served model's lifecycle: ``load()`` (blocking: load + warm-up; run it in a thread), then
+    ``await start()`` (the scheduler on the running loop), then requests, then ``await close()``.
+    ``state``: created -> loading -> warming -> ready | failed; closed.
+
+    Subclasses say what the loaded model must satisfy (:meth:`_check_loaded`) and which scheduler serves it
+    (:meth:`_make_scheduler`: anything with ``start()``, ``await close()`` and ``max_batch_size``).
 
     Args:
         config: the model's config entry.
-        backend: anything following the backend contract (a fake in tests).
-        tasks: task pre/post-processing (a fake in tests); default ``relserve.service.tasks``.
+        backend: anything following a contract of :mod:`relserve.service.backends.base` (a fake in tests).
     """
 
-    def __init__(self, config: ModelConfig, backend: Backend, tasks: TaskProcessing | None = None) -> None:
+    def __init__(self, config: ModelConfig, backend: Any) -> None:
         self.config = config
         self.name = config.name
         self.backend = backend
-        self.tasks: TaskProcessing = tasks or DefaultTaskProcessing()
         self.meta: ModelMeta | None = None
-        self.max_seq_len = 0
-        self.state = "created"  # created -> loading -> warming -> ready | failed; closed
-        self.batcher: Batcher | None = None
+        self.max_seq_len = 0  # tokens per sequence fed to the model (translation: max_source_tokens)
+        self.state = "created"
+        self.scheduler: Any = None
 
     # ------------------------------------------------------------------ lifecycle
 
     def load(self) -> None:
-        """Load and warm up (blocking). Raises whatever the backend raises; state becomes ``failed``."""
+        """Load and warm up (blocking).
+
+        Raises:
+            ConfigError: the loaded model does not fit the config (see the subclass).
+            Exception: whatever the backend raises. Either way ``state`` becomes ``failed``.
+        """
         try:
             self.state = "loading"
             meta = self.backend.load()
-            self.max_seq_len = self.config.resolved_max_seq_len(meta.max_positions)
-            if self.config.doc_stride >= self.max_seq_len and meta.task == TASK_QA:
-                raise ConfigError(
-                    f"model {self.name!r}: doc_stride {self.config.doc_stride} must be smaller than "
-                    f"max_seq_len {self.max_seq_len}"
-                )
-            if self.config.max_batch_tokens < self.max_seq_len:
-                raise ConfigError(
-                    f"model {self.name!r}: max_batch_tokens {self.config.max_batch_tokens} must be >= "
-                    f"max_seq_len {self.max_seq_len} so that one full-length sequence fits in a batch"
-                )
+            self._check_loaded(meta)
             self.meta = meta
             self.state = "warming"
             if self.config.warmup:
@@ -170,12 +167,101 @@ class ModelRunner:
             raise
 
     async def start(self) -> None:
-        """Start the batcher on the running loop and publish model_info. Call after :meth:`load`."""
+        """Start the scheduler on the running loop and publish model_info. Call after :meth:`load`."""
         if self.meta is None:
             raise RuntimeError(f"model {self.name!r}: start() before load()")
+        self.scheduler = self._make_scheduler()
+        self.scheduler.start()
+        m = self.meta
+        metrics.set_model_info(self.name, m.family, m.task, m.backend, m.device, m.dtype)
+        metrics.add_memory_source(self.backend.memory_stats)
+        self.state = "ready"
+
+    async def close(self) -> None:
+        """Stop the scheduler (queued and running work fails with UNAVAILABLE) and close the backend."""
+        self.state = "closed"
+        if self.scheduler is not None:
+            await self.scheduler.close()
+        metrics.remove_memory_source(self.backend.memory_stats)
+        try:
+            self.backend.close()
+        except Exception:
+            log.exception("model %r: backend close failed", self.name)
+
+    def _check_loaded(self, meta: ModelMeta) -> None:
+        """Raise ConfigError when the loaded model cannot be served with this config; may set ``max_seq_len``."""
+        raise NotImplementedError
+
+    def _make_scheduler(self) -> Any:
+        raise NotImplementedError
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def task(self) -> str | None:
+        return self.meta.task if self.meta else None
+
+    def info(self) -> "ModelInfo":
+        m = self.meta
+        return ModelInfo(
+            name=self.name,
+            task=m.task if m else "",
+            family=m.family if m else "",
+            backend=m.backend if m else self.config.backend,
+            device=m.device if m else self.config.device,
+            dtype=m.dtype if m else self.config.dtype,
+            max_seq_len=self.max_seq_len,
+            labels=tuple(m.labels) if m else (),
+            max_batch_size=self.scheduler.max_batch_size if self.scheduler else self.config.max_batch_size,
+        )
+
+    def _check_ready(self) -> Any:
+        """The scheduler of a ready model.
+
+        Raises:
+            Unavailable: not loaded and warmed up yet, failed or closed (names the state).
+        """
+        if self.state != "ready" or self.scheduler is None:
+            raise Unavailable(f"model {self.name!r} is not ready (state: {self.state}); retry later")
+        return self.scheduler
+
+
+class ModelRunner(Runner):
+    """An encoder model (classification or QA) behind the batcher.
+
+    Args:
+        config: the model's config entry.
+        backend: anything following :class:`relserve.service.backends.base.Backend` (a fake in tests).
+        tasks: task pre/post-processing (a fake in tests); default ``relserve.service.tasks``.
+    """
+
+    def __init__(self, config: ModelConfig, backend: Backend, tasks: TaskProcessing | None = None) -> None:
+        super().__init__(config, backend)
+        self.tasks: TaskProcessing = tasks or DefaultTaskProcessing()
+
+    @property
+    def batcher(self) -> Batcher | None:
+        return self.scheduler
+
+    def _check_loaded(self, meta: ModelMeta) -> None:
+        self.max_seq_len = self.config.resolved_max_seq_len(meta.max_positions)
+        if self.config.doc_stride >= self.max_seq_len and meta.task == TASK_QA:
+            raise ConfigError(
+                f"model {self.name!r}: doc_stride {self.config.doc_stride} must be smaller than "
+                f"max_seq_len {self.max_seq_len}"
+            )
+        if self.config.max_batch_tokens < self.max_seq_len:
+            raise ConfigError(
+                f"model {self.name!r}: max_batch_tokens {self.config.max_batch_tokens} must be >= "
+                f"max_seq_len {self.max_seq_len} so that one full-length sequence fits in a batch"
+            )
+
+    def _make_scheduler(self) -> Batcher:
         cap = self.backend.max_batch_size
         max_batch = min(self.config.max_batch_size, cap) if cap else self.config.max_batch_size
-        self.batcher = Batcher(
+        return Batcher(
             self.name,
             self.backend.run,
             max_batch_size=max_batch,
@@ -187,54 +273,12 @@ class ModelRunner:
             on_queue_depth=lambda n: metrics.set_queue_depth(self.name, n),
             on_batch=self._observe_batch,
         )
-        self.batcher.start()
-        m = self.meta
-        metrics.set_model_info(self.name, m.family, m.task, m.backend, m.device, m.dtype)
-        metrics.add_memory_source(self.backend.memory_stats)
-        self.state = "ready"
-
-    async def close(self) -> None:
-        self.state = "closed"
-        if self.batcher is not None:
-            await self.batcher.close()
-        metrics.remove_memory_source(self.backend.memory_stats)
-        try:
-            self.backend.close()
-        except Exception:
-            log.exception("model %r: backend close failed", self.name)
 
     def _observe_batch(self, stats: BatchStats) -> None:
         metrics.observe_batch(self.name, self.backend.name, stats.size, stats.real_tokens, stats.padded_tokens,
                               stats.inference_s, stats.queue_s)
 
-    @property
-    def ready(self) -> bool:
-        return self.state == "ready"
-
-    @property
-    def task(self) -> str | None:
-        return self.meta.task if self.meta else None
-
-    def info(self) -> ModelInfo:
-        m = self.meta
-        return ModelInfo(
-            name=self.name,
-            task=m.task if m else "",
-            family=m.family if m else "",
-            backend=m.backend if m else self.config.backend,
-            device=m.device if m else self.config.device,
-            dtype=m.dtype if m else self.config.dtype,
-            max_seq_len=self.max_seq_len,
-            labels=tuple(m.labels) if m else (),
-            max_batch_size=self.batcher.max_batch_size if self.batcher else self.config.max_batch_size,
-        )
-
     # ------------------------------------------------------------------ requests
-
-    def _check_ready(self) -> Batcher:
-        if self.state != "ready" or self.batcher is None:
-            raise Unavailable(f"model {self.name!r} is not ready (state: {self.state}); retry later")
-        return self.batcher
 
     async def classify(self, texts: Sequence[str], pairs: Sequence[str] | None, top_k: int,
                        deadline: float | None) -> tuple[list[ClassifyItem], Timings]:
@@ -287,12 +331,7 @@ class ModelRunner:
 
 
 def _all_finite(values: Any) -> bool:
-    try:
-        import numpy as np
-
-        return bool(np.all(np.isfinite(values)))
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        return all(math.isfinite(float(v)) for v in values)
+    return bool(np.all(np.isfinite(values)))
 
 
 def _as_answer(a: Any) -> AnswerItem:
@@ -300,60 +339,3 @@ def _as_answer(a: Any) -> AnswerItem:
     get = (lambda k, d=None: a.get(k, d)) if isinstance(a, dict) else (lambda k, d=None: getattr(a, k, d))
     return AnswerItem(text=str(get("text", "")), start=int(get("start", 0)), end=int(get("end", 0)),
                       score=float(get("score", 0.0)), is_impossible=bool(get("is_impossible", False)))
-
-
-class ModelRegistry:
-    """The runners of one server, looked up by name; knows whether the server is draining."""
-
-    def __init__(self, runners: Sequence[ModelRunner]) -> None:
-        self.runners: dict[str, ModelRunner] = {}
-        for r in runners:
-            if r.name in self.runners:
-                raise ValueError(f"model name {r.name!r} appears twice")
-            self.runners[r.name] = r
-        self.draining = False
-
-    def names(self) -> list[str]:
-        return sorted(self.runners)
-
-    def get(self, name: str, task: str) -> ModelRunner:
-        """The runner for ``name`` that can do ``task``.
-
-        Raises:
-            Unavailable: draining, or the model is not loaded and warmed up yet.
-            InvalidArgument: empty model name.
-            NotFound: unknown model (lists the loaded ones).
-            FailedPrecondition: the model does another task (names it).
-        """
-        if self.draining:
-            raise Unavailable("server is shutting down and no longer accepts requests; retry on another replica")
-        if not name:
-            raise InvalidArgument(f"model is empty; set it to one of {self.names()}")
-        runner = self.runners.get(name)
-        if runner is None:
-            raise NotFound(f"model {name!r} is not loaded; loaded models: {self.names()}")
-        if not runner.ready:
-            raise Unavailable(f"model {name!r} is not ready yet (state: {runner.state}); retry later")
-        if runner.task != task:
-            rpc = {TASK_CLASSIFICATION: "Classify", TASK_QA: "Answer"}.get(runner.task or "", "Translate")
-            raise FailedPrecondition(
-                f"model {name!r} is a {runner.task} model and cannot serve {task}; use {rpc} instead"
-            )
-        return runner
-
-    @property
-    def all_ready(self) -> bool:
-        return bool(self.runners) and all(r.ready for r in self.runners.values())
-
-
-def build_runner(config: ModelConfig):
-    """A runner with the backend named in the config (imports torch for the torch backend): a
-    :class:`relserve.service.translation.TranslationRunner` for RNNsearch directories (config.json
-    model_type "rnnsearch"), else a :class:`ModelRunner`."""
-    from .backends import TASK_TRANSLATION, checkpoint_task, create_backend, create_translation_backend
-
-    if checkpoint_task(config.path) == TASK_TRANSLATION:
-        from .translation import TranslationRunner
-
-        return TranslationRunner(config, create_translation_backend(config))
-    return ModelRunner(config, create_backend(config))

@@ -26,7 +26,8 @@ from . import metrics
 from ._proto import inference_pb2_grpc
 from .api import SERVICE_NAME, InferenceServicer
 from .config import ServerConfig
-from .runner import ModelRegistry, ModelRunner, build_runner
+from .registry import ModelRegistry, build_runner
+from .runner import Runner
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ HEALTH_SERVICES = ("", SERVICE_NAME)
 
 
 class InferenceServer:
-    def __init__(self, config: ServerConfig, runners: Sequence[ModelRunner] | None = None) -> None:
+    def __init__(self, config: ServerConfig, runners: Sequence[Runner] | None = None) -> None:
         self.config = config
         self._given_runners = list(runners) if runners is not None else None
         self.registry: ModelRegistry | None = None
@@ -46,7 +47,7 @@ class InferenceServer:
         self._stopped = asyncio.Event()
 
     @property
-    def runners(self) -> list[ModelRunner]:
+    def runners(self) -> list[Runner]:
         return list(self.registry.runners.values()) if self.registry else []
 
     async def start(self) -> int:

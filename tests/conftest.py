@@ -3,10 +3,11 @@
 Tokenizer fixtures (session-scoped, trained in about a second from ../shared/data, or from the repo's
 copy of it when ../shared is absent):
 
-* ``unigram_tokenizer_dir`` — a small Unigram ``tokenizer.json`` (``tokenizers`` library) whose pipeline
-  equals what transformers 5 ``DebertaV2Tokenizer`` rebuilds (NFC, whitespace runs -> " ", strip right,
-  Metaspace prepend "always"), TemplateProcessing ``[CLS] $A [SEP]`` / ``[CLS] $A [SEP] $B:1 [SEP]:1``,
-  special ids ``[PAD]=0 [CLS]=1 [SEP]=2 [UNK]=3 [MASK]=4``, ``model_max_length`` 512.
+* ``unigram_tokenizer_dir`` — a small Unigram ``tokenizer.json`` (``tokenizers`` library, trained with
+  ``relserve.models.tokenization.train_unigram_tokenizer(unicode_form="NFC")``) whose pipeline equals what
+  transformers 5 ``DebertaV2Tokenizer`` rebuilds (NFC, whitespace runs -> " ", strip right, Metaspace
+  prepend "always"), TemplateProcessing ``[CLS] $A [SEP]`` / ``[CLS] $A [SEP] $B:1 [SEP]:1``, special ids
+  ``[PAD]=0 [CLS]=1 [SEP]=2 [UNK]=3 [MASK]=4``, ``model_max_length`` 512.
 * ``spm_tokenizer_dir`` — a small ``spm.model`` (``sentencepiece`` library, Unigram, ``[PAD]=0 [CLS]=1
   [SEP]=2 [UNK]=3 [MASK]=4`` as in DeBERTa-v3) plus ``tokenizer_config.json`` with the huge
   ``model_max_length`` placeholder DeBERTa-v3 configs carry (C08).
@@ -16,7 +17,6 @@ Both load with ``transformers.AutoTokenizer.from_pretrained(dir)`` (tokenizer_cl
 
 from __future__ import annotations
 
-import ast
 import io
 import json
 import os
@@ -24,28 +24,9 @@ from pathlib import Path
 
 import pytest
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-SPECIALS = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]
-
-
-def _jsonl(path: Path, limit: int | None = None) -> list[dict]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                rows.append(json.loads(line))
-            if limit is not None and len(rows) >= limit:
-                break
-    return rows
-
-
-def qa_rows(name: str) -> list[dict]:
-    """Rows of ../shared/data/qa/<name>, with ``answers`` parsed to a list of dicts."""
-    rows = _jsonl(SHARED_DATA / "qa" / name)
-    for r in rows:
-        if isinstance(r.get("answers"), str):
-            r["answers"] = ast.literal_eval(r["answers"])
-    return rows
+# The shared-data policy (../shared/data, else the committed cut in loadtest/data, else skip) is fixtures/data.py.
+from fixtures.data import SHARED_DATA
+from fixtures.data import read_jsonl as _jsonl
 
 
 def _training_lines() -> list[str]:
@@ -78,32 +59,12 @@ def _write_config(directory: Path, extra: dict) -> None:
 
 @pytest.fixture(scope="session")
 def unigram_tokenizer_dir(tmp_path_factory) -> Path:
-    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors, trainers, decoders
+    from relserve.models.tokenization import train_unigram_tokenizer
 
-    tok = Tokenizer(models.Unigram())
-    tok.normalizer = normalizers.Sequence(
-        [
-            normalizers.Replace(Regex(r"\s{2,}|[\n\r\t]"), " "),
-            normalizers.NFC(),
-            normalizers.Strip(left=False, right=True),
-        ]
-    )
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
-    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    trainer = trainers.UnigramTrainer(
-        vocab_size=1200, special_tokens=SPECIALS, unk_token="[UNK]", show_progress=False, max_piece_length=12
-    )
-    tok.train_from_iterator(_training_lines(), trainer=trainer)
-    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]",
-        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
-    )
     d = tmp_path_factory.mktemp("unigram_tok")
-    tok.save(str(d / "tokenizer.json"))
-    _write_config(d, {"model_max_length": 512})
-    return d
+    return train_unigram_tokenizer(
+        _training_lines(), d, vocab_size=1200, model_max_length=512, unicode_form="NFC", max_piece_length=12
+    )
 
 
 @pytest.fixture(scope="session")

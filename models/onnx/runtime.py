@@ -43,7 +43,7 @@ def make_session(path: str | os.PathLike, providers: Sequence = ("CPUExecutionPr
     custom-op kernels of ``models/onnx/native`` when given).
 
     When ``providers`` ask for CUDA and the graph has T5 bias nodes, they are first re-homed to ONNX Runtime's
-    CUDA kernel (:func:`relserve.models.ops.to_cuda_contrib_ops`); if that session cannot be created or
+    CUDA kernel (:func:`relserve.models.onnx.ops.to_cuda_contrib_ops`); if that session cannot be created or
     does not get the CUDA provider (ORT falls back to CPU silently when CUDA cannot start), the graph as
     exported is used."""
     import onnxruntime as ort

@@ -1,4 +1,4 @@
-"""Training pieces shared by the encoder trainers (``train_classifier``, ``train_qa``).
+"""Training pieces shared by the encoder trainers (``training.classifier``, ``training.qa``).
 
 Seeding and RNG state, JSON Lines, length-bucketed batches with dynamic padding, AdamW with a linear
 warm-up/decay schedule, the resumable training state (one file, written atomically) and the epoch loop:

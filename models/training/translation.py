@@ -18,8 +18,8 @@ written at each evaluation and at the end; ``--resume`` continues from it exactl
 ``--eval-checkpoint DIR`` instead evaluates a saved checkpoint on ``--dev`` (greedy and ``--beam``) and prints
 JSON with BLEU and chrF.
 
-Speed: the teacher-forced pass runs the recurrence (alignment + GRU) step by step but computes the deep output
-and the output softmax for all steps at once (``teacher_forced_logits``; identical to ``RNNSearch.forward``).
+The teacher-forced pass is the model's own ``RNNSearch.forward`` (the recurrence stepped, the deep output and
+``W_o`` once over all steps; the same maths as the serving ``decode_step``).
 """
 
 from __future__ import annotations
@@ -127,30 +127,10 @@ def pad_sources(ids: list[list[int]], pad: int) -> tuple[Tensor, Tensor]:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def teacher_forced_logits(model: RNNSearch, src: Tensor, src_mask: Tensor, tgt_in: Tensor) -> Tensor:
-    """Same function as ``model(src, src_mask, tgt_in)`` (Float[B,T,K_y]); the recurrence is stepped, the deep
-    output and ``W_o`` run once over all steps."""
-    state = model.encode(src, src_mask)
-    dec = model.decoder
-    emb = dec.dropout(dec.embeddings(tgt_in))  # E y_{i-1}: Float[B,T,m]
-    gru_in = dec.gru.input_proj(emb)  # Float[B,T,3n]
-    h = state.init_state
-    prev_states, contexts = [], []
-    for i in range(tgt_in.shape[1]):
-        context, _ = dec.alignment(h, state.annotations, state.projected_annotations, state.mask)
-        prev_states.append(h)
-        contexts.append(context)
-        h = dec.gru(gru_in[:, i], h, context)
-    s_prev = torch.stack(prev_states, 1)  # s_{i-1}: Float[B,T,n]
-    ctx = torch.stack(contexts, 1)  # c_i: Float[B,T,A]
-    t_tilde = dec.out_state_proj(s_prev) + dec.out_embedding_proj(emb) + dec.out_context_proj(ctx)
-    t = t_tilde.view(*t_tilde.shape[:2], -1, 2).max(dim=-1).values
-    return dec.output_proj(dec.dropout(t))
-
-
-def batch_loss(model, batch, pad: int, label_smoothing: float) -> tuple[Tensor, int]:
+def batch_loss(model: RNNSearch, batch, pad: int, label_smoothing: float) -> tuple[Tensor, int]:
+    """Label-smoothed cross-entropy per real target token of one ``collate`` batch -> (loss, target tokens)."""
     src, src_mask, tgt_in, tgt_out = batch
-    logits = teacher_forced_logits(model, src, src_mask, tgt_in)
+    logits = model(src, src_mask, tgt_in)  # Float[B,T,K_y]
     ntok = int((tgt_out != pad).sum())
     loss = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(),
@@ -252,7 +232,7 @@ def translate(
         else:
             hyps = [h[0] for h in beam_search(model, src, mask, opts)]
         for i, h in zip(idx, hyps):
-            out[i] = tok.decode_target(h.output_tokens(tok.eos_token_id))
+            out[i] = tok.decode_target(h.output_tokens)
     model.train(was_training)
     return out
 

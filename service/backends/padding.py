@@ -1,4 +1,5 @@
-"""Right-padding a batch of encodings into the model's input arrays — shared by every encoder backend."""
+"""Encoder batches as model inputs, shared by every encoder backend: right-padding a batch of encodings into
+the model's input arrays, and the synthetic encodings of warm-up and the load-time self-checks."""
 
 from __future__ import annotations
 
@@ -27,3 +28,11 @@ def pad_batch(batch: Sequence[Any], pad_id: int) -> tuple[np.ndarray, np.ndarray
         if tt is not None and len(tt) == n:
             types[i, :n] = tt
     return ids, mask, types
+
+
+class WarmupEncoding:
+    """A synthetic single-segment encoding (``token_type_ids`` all 0) for warm-up batches."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.input_ids = ids
+        self.token_type_ids = [0] * len(ids)

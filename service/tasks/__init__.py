@@ -1,5 +1,11 @@
-"""Pre- and post-processing per task (pure Python/numpy over `relserve.models.tokenization.Tokenizer`).
+"""Per task: the request's one validation (``validate_*``, called once by the servicer before any
+tokenizing) and its pre- and post-processing (pure Python/numpy over the tokenizers of
+`relserve.models.tokenization`).
 
-`classify`: texts (and optional pairs) -> encodings; logits -> (label, score) list.
-`qa`: question + context -> stride windows; start/end logits -> answer spans with character offsets.
+`classify`: validate_classify; texts (and optional pairs) -> encodings; logits -> (label, score) list.
+`qa`: validate_answer; question + context -> stride windows; start/end logits -> answer spans with
+character offsets.
+`translate`: validate_translate -> DecodeOptions; texts -> source ids (blank -> None); hypotheses ->
+detokenized text, pieces and labelled alignments.
+`text`: what counts as blank.
 """

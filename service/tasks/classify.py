@@ -1,4 +1,4 @@
-"""Sequence classification: tokenization in, (label, score) pairs out.
+"""Sequence classification: the request validated once, tokenization in, (label, score) pairs out.
 
 Scores: softmax over the labels for single-label models; an independent sigmoid per label when
 ``problem_type == "multi_label_classification"``; the raw value for ``"regression"``.
@@ -15,19 +15,48 @@ from relserve.service.errors import Internal, InvalidArgument
 from relserve.service.tasks.text import is_blank
 
 
-def validate_text(text: object, what: str = "text") -> str:
-    """Return ``text`` if it is a non-blank str, else raise InvalidArgument naming ``what``."""
+def _check_text(text: object, what: str) -> None:
     if not isinstance(text, str):
         raise InvalidArgument(f"{what} must be a string, got {type(text).__name__}")
     if is_blank(text):
         raise InvalidArgument(f"{what} is empty or only whitespace; send at least one non-space character")
-    return text
+
+
+def validate_classify(texts: Sequence[str], text_pairs: Sequence[str] | None, top_k: int, num_labels: int,
+                      model: str) -> tuple[list[str], list[str] | None]:
+    """Check a Classify request: at least one text, none blank (zero-width characters count as blank), at
+    most one pair per text, ``top_k`` in ``0..num_labels`` (0 = all labels; unchecked above when the model
+    has no labels, e.g. regression).
+
+    Returns:
+        ``(texts, text_pairs or None)`` as lists.
+
+    Raises:
+        InvalidArgument: naming the field, the index of the bad entry, and the limit.
+    """
+    if not texts:
+        raise InvalidArgument("texts is empty; send at least one text")
+    for i, t in enumerate(texts):
+        _check_text(t, f"texts[{i}]")
+    if text_pairs:
+        if len(text_pairs) != len(texts):
+            raise InvalidArgument(
+                f"text_pairs has {len(text_pairs)} entries but texts has {len(texts)}; send one pair per text "
+                f"or none"
+            )
+        for i, p in enumerate(text_pairs):
+            _check_text(p, f"text_pairs[{i}]")
+    if top_k < 0 or (num_labels and top_k > num_labels):
+        upper = f"the {num_labels} labels of model {model!r}" if num_labels else "the model's labels"
+        raise InvalidArgument(f"top_k {top_k} is out of range for {upper}; use 0 for all labels or 1.."
+                              f"{num_labels or 'num_labels'}")
+    return list(texts), (list(text_pairs) if text_pairs else None)
 
 
 def effective_max_length(tokenizer: Tokenizer, max_seq_len: int) -> int:
     """The server's limit, lowered to the tokenizer's ``model_max_length`` when that is a real limit (C08)."""
     if max_seq_len < 3:
-        raise InvalidArgument(f"max_seq_len={max_seq_len} must be at least 3 tokens")
+        raise InvalidArgument(f"max_seq_len {max_seq_len} is too small; a text needs at least 3 tokens")
     if tokenizer.model_max_length is not None:
         return min(max_seq_len, tokenizer.model_max_length)
     return max_seq_len
@@ -42,24 +71,16 @@ def preprocess(
     """Encode each text (with its pair) as ``[CLS] a [SEP] (b [SEP])``, at most ``max_seq_len`` tokens.
 
     Over-long inputs are truncated longest-first and flagged in ``Encoding.truncated`` (C08: never a
-    shape error, whatever ``model_max_length`` says). ``text_pairs`` empty or None means no pairs.
+    shape error, whatever ``model_max_length`` says). ``text_pairs`` empty or None means no pairs. The
+    request was checked by :func:`validate_classify`.
+
+    Raises:
+        InvalidArgument: ``max_seq_len`` too small for a text (3 tokens) or a pair (5 tokens).
     """
-    if not texts:
-        raise InvalidArgument("texts is empty; send at least one text")
-    for i, t in enumerate(texts):
-        validate_text(t, f"texts[{i}]")
-    if text_pairs:
-        if len(text_pairs) != len(texts):
-            raise InvalidArgument(
-                f"text_pairs has {len(text_pairs)} entries but texts has {len(texts)}; send one pair per text"
-            )
-        for i, p in enumerate(text_pairs):
-            validate_text(p, f"text_pairs[{i}]")
-    else:
-        text_pairs = None
+    text_pairs = text_pairs or None
     limit = effective_max_length(tokenizer, max_seq_len)
     if text_pairs is not None and limit < 5:
-        raise InvalidArgument(f"max_seq_len={limit} is too small for a text pair (minimum 5 tokens)")
+        raise InvalidArgument(f"max_seq_len {limit} is too small; a text pair needs at least 5 tokens")
     return tokenizer.batch_encode(list(texts), list(text_pairs) if text_pairs else None, max_length=limit)
 
 
@@ -79,11 +100,12 @@ def postprocess(
 ) -> list[tuple[str, float]]:
     """Turn one item's ``logits`` (shape ``[num_labels]``) into ``(label, score)`` pairs, best first.
 
-    ``top_k`` 0 returns all labels. Ties keep label order. Labels missing from ``id2label`` are
-    called ``LABEL_<i>`` as in transformers.
+    ``top_k`` 0 returns all labels (checked by :func:`validate_classify`). Ties keep label order. Labels
+    missing from ``id2label`` are called ``LABEL_<i>`` as in transformers.
+
+    Raises:
+        Internal: no logits, or a non-finite one.
     """
-    if top_k < 0:
-        raise InvalidArgument(f"top_k={top_k} must be >= 0 (0 = all labels)")
     x = np.asarray(logits, dtype=np.float64).reshape(-1)
     if x.size == 0:
         raise Internal("the model returned no logits")

@@ -1,26 +1,8 @@
 """Extractive question answering: stride windows in, character-offset answer spans out.
 
-Span search (per window, over the start/end logits of that window):
-
-* only context tokens may start or end a span (C04) — question and special tokens have no
-  ``context_offsets``; tokens whose text is only whitespace / zero-width characters are not used as a
-  start or end either (they could only produce a span that trims to a neighbour's or to nothing);
-* ``start <= end`` and ``end - start + 1 <= max_answer_len`` tokens (C06). The search is exact: every
-  pair in the band ``end - max_answer_len < start <= end`` is scored (``O(T * max_answer_len)``), then
-  the best ``n_best`` pairs per window are kept;
-* a span's characters are ``context[offsets[start][0]:offsets[end][1]]`` with leading/trailing whitespace
-  and zero-width characters trimmed (C07); a span that becomes empty is dropped; identical character
-  spans found in several windows are merged, keeping the best score.
-
-No answer (SQuAD 2.0): the null score of a window is ``start_logit[CLS] + end_logit[CLS]`` (CLS = token
-0); the request's null score is the minimum over windows. When ``allow_impossible`` and
-``null_score - best_span_score > null_threshold``, the first answer is the no-answer result
-(``text=""``, ``start=end=0``, ``is_impossible=True``) (C05). ``null_threshold=inf`` always returns the
-best real span.
-
-Scores: a softmax over the candidate set — the merged spans kept from all windows plus, when
-``allow_impossible``, the null candidate — of the raw ``start_logit + end_logit`` sums. They are
-comparable within one answer list, not calibrated across requests.
+Span search, SQuAD 2.0 null score and answer scores: :mod:`relserve.models.qa_spans` (the one search,
+also used by the QA trainer's evaluation); this module checks the request's options first and reports a
+malformed model output as INTERNAL.
 """
 
 from __future__ import annotations
@@ -31,100 +13,71 @@ from typing import Sequence
 
 import numpy as np
 
+from relserve.models import qa_spans
+from relserve.models.qa_spans import AnswerSpan
 from relserve.models.tokenization import QAWindow
 from relserve.service.errors import Internal, InvalidArgument
-from relserve.service.tasks.text import is_blank, is_blank_char
+from relserve.service.tasks.text import is_blank
+
+
+MAX_TOP_K = 20  # answers per question
+
 
 @dataclass(frozen=True)
-class AnswerSpan:
-    """One answer: ``text == context[start:end]`` (Python str indices, end exclusive)."""
+class AnswerOptions:
+    """A QA request's options with the defaults resolved (``doc_stride`` and ``max_answer_len`` in tokens)."""
 
-    text: str
-    start: int
-    end: int
-    score: float
-    is_impossible: bool = False
-
-
-def trim_span(context: str, start: int, end: int) -> tuple[int, int]:
-    """Shrink ``[start, end)`` past leading/trailing whitespace and zero-width characters (C07)."""
-    while start < end and is_blank_char(context[start]):
-        start += 1
-    while end > start and is_blank_char(context[end - 1]):
-        end -= 1
-    return start, end
+    top_k: int
+    max_answer_len: int
+    doc_stride: int
+    allow_impossible: bool
+    null_threshold: float
 
 
-def validate_question_context(question: object, context: object) -> tuple[str, str]:
-    """Raise InvalidArgument unless both are strings with at least one non-whitespace character."""
+def validate_answer(question: object, context: object, *, top_k: int, max_answer_len: int, doc_stride: int,
+                    allow_impossible: bool, null_threshold: float | None, max_seq_len: int,
+                    default_max_answer_len: int, default_doc_stride: int) -> AnswerOptions:
+    """Check an Answer request against the model's ``max_seq_len`` and resolve its defaults (0 = default:
+    ``top_k`` 1, ``max_answer_len`` / ``doc_stride`` the model's config; ``null_threshold`` None = 0.0).
+
+    Raises:
+        InvalidArgument: a blank question or context, or an option out of range (naming it and the range).
+    """
     for what, value in (("question", question), ("context", context)):
         if not isinstance(value, str):
             raise InvalidArgument(f"{what} must be a string, got {type(value).__name__}")
         if is_blank(value):
             raise InvalidArgument(f"{what} is empty or only whitespace; send at least one non-space character")
-    return question, context  # type: ignore[return-value]
+    k = top_k or 1
+    if not 1 <= k <= MAX_TOP_K:
+        raise InvalidArgument(f"top_k {top_k} is out of range; the limit is {MAX_TOP_K} answers (0 = 1)")
+    length = max_answer_len or default_max_answer_len
+    if not 1 <= length <= max_seq_len:
+        raise InvalidArgument(f"max_answer_len {length} is out of range; allowed 1..max_seq_len {max_seq_len} "
+                              f"tokens (0 = default {default_max_answer_len})")
+    stride = doc_stride or default_doc_stride
+    if not 1 <= stride < max_seq_len:
+        raise InvalidArgument(f"doc_stride {stride} is out of range; allowed 1..{max_seq_len - 1}, below "
+                              f"max_seq_len {max_seq_len} tokens (0 = default {default_doc_stride})")
+    threshold = 0.0 if null_threshold is None else float(null_threshold)
+    if math.isnan(threshold):
+        raise InvalidArgument("null_threshold is NaN; send a number (or +inf to always answer)")
+    return AnswerOptions(k, length, stride, bool(allow_impossible), threshold)
 
 
 def validate_options(top_k: int, max_answer_len: int, null_threshold: float) -> None:
-    """Raise InvalidArgument for out-of-range QA options."""
+    """The span search's own preconditions (:func:`best_answers` checks them for direct callers); a request's
+    options are checked once, by :func:`validate_answer`, before any tokenizing.
+
+    Raises:
+        InvalidArgument: ``top_k`` or ``max_answer_len`` below 1, or a NaN ``null_threshold``.
+    """
     if top_k < 1:
         raise InvalidArgument(f"top_k={top_k} must be >= 1")
     if max_answer_len < 1:
         raise InvalidArgument(f"max_answer_len={max_answer_len} must be >= 1 token")
     if math.isnan(null_threshold):
         raise InvalidArgument("null_threshold must be a number, got NaN")
-
-
-def _window_candidates(
-    window: QAWindow,
-    start: np.ndarray,
-    end: np.ndarray,
-    context: str,
-    max_answer_len: int,
-    n_best: int,
-) -> list[tuple[float, int, int]]:
-    """Best (score, char_start, char_end) spans of one window, at most ``n_best`` distinct ones."""
-    t = len(window.input_ids)
-    offs = window.context_offsets
-    usable = np.zeros(t, dtype=bool)
-    trimmed: list[tuple[int, int] | None] = [None] * t
-    for i, o in enumerate(offs[:t]):
-        if o is None:
-            continue
-        s, e = trim_span(context, o[0], o[1])
-        if e > s:
-            usable[i] = True
-            trimmed[i] = (s, e)
-    idx = np.flatnonzero(usable)
-    if idx.size == 0:
-        return []
-    # band[k, j] = start[j - k] + end[j] for k = 0..L-1 (span of k + 1 tokens ending at token j)
-    L = min(max_answer_len, t)
-    s_masked = np.where(usable, start[:t], -np.inf)
-    e_masked = np.where(usable, end[:t], -np.inf)
-    band = np.full((L, t), -np.inf)
-    for k in range(L):
-        band[k, k:] = s_masked[: t - k] + e_masked[k:]
-    flat = band.ravel()
-    finite = np.flatnonzero(np.isfinite(flat))
-    if finite.size == 0:
-        return []
-    want = min(finite.size, n_best * 2)  # spare room for spans merged by trimming
-    top = finite[np.argpartition(-flat[finite], want - 1)[:want]] if want < finite.size else finite
-    top = top[np.argsort(-flat[top], kind="stable")]
-    out: list[tuple[float, int, int]] = []
-    seen: set[tuple[int, int]] = set()
-    for f in top:
-        k, j = divmod(int(f), t)
-        i = j - k
-        cs, ce = trimmed[i][0], trimmed[j][1]  # type: ignore[index]
-        if (cs, ce) in seen:
-            continue
-        seen.add((cs, ce))
-        out.append((float(flat[f]), cs, ce))
-        if len(out) >= n_best:
-            break
-    return out
 
 
 def best_answers(
@@ -138,45 +91,17 @@ def best_answers(
     null_threshold: float = 0.0,
     n_best: int = 20,
 ) -> list[AnswerSpan]:
-    """The ``top_k`` best answers for one (question, context) from its windows' logits (see module doc).
+    """The ``top_k`` best answers for one (question, context): :func:`relserve.models.qa_spans.best_answers`.
 
-    ``start_logits[w]`` / ``end_logits[w]`` have one value per token of ``windows[w]`` (longer arrays
-    are cut to the window length). Never raises for a well-formed input; when no context token can
-    form a span the no-answer result is returned.
+    Raises:
+        InvalidArgument: ``top_k`` or ``max_answer_len`` below 1, or a NaN ``null_threshold``.
+        Internal: the windows and logits do not fit together or a logit is not finite.
     """
     validate_options(top_k, max_answer_len, null_threshold)
-    if not (len(windows) == len(start_logits) == len(end_logits)) or not windows:
-        raise Internal(
-            f"QA post-processing got {len(windows)} windows, {len(start_logits)} start and "
-            f"{len(end_logits)} end logit arrays; expected the same non-zero number"
+    try:
+        return qa_spans.best_answers(
+            windows, start_logits, end_logits, context, top_k=top_k, max_answer_len=max_answer_len,
+            allow_impossible=allow_impossible, null_threshold=null_threshold, n_best=n_best,
         )
-    spans: dict[tuple[int, int], float] = {}
-    null_score = math.inf
-    for w, s, e in zip(windows, start_logits, end_logits):
-        s = np.asarray(s, dtype=np.float64).reshape(-1)
-        e = np.asarray(e, dtype=np.float64).reshape(-1)
-        t = len(w.input_ids)
-        if s.size < t or e.size < t:
-            raise Internal(f"QA logits have {s.size}/{e.size} values for a window of {t} tokens")
-        s, e = s[:t], e[:t]
-        if not (np.all(np.isfinite(s)) and np.all(np.isfinite(e))):
-            raise Internal("the model returned non-finite QA logits")
-        null_score = min(null_score, float(s[0] + e[0]))
-        for score, cs, ce in _window_candidates(w, s, e, context, max_answer_len, n_best):
-            if score > spans.get((cs, ce), -math.inf):
-                spans[(cs, ce)] = score
-    ranked = sorted(spans.items(), key=lambda kv: (-kv[1], kv[0]))
-    raw = [sc for _, sc in ranked]
-    if allow_impossible or not ranked:
-        raw.append(null_score)
-    m = max(raw)
-    ex = np.exp(np.asarray(raw) - m)
-    probs = ex / ex.sum()
-    answers = [
-        AnswerSpan(context[cs:ce], cs, ce, float(p), False) for ((cs, ce), _), p in zip(ranked, probs)
-    ]
-    if not ranked:
-        return [AnswerSpan("", 0, 0, 1.0, True)]
-    if allow_impossible and null_score - ranked[0][1] > null_threshold:
-        return [AnswerSpan("", 0, 0, float(probs[-1]), True), *answers[: top_k - 1]]
-    return answers[:top_k]
+    except ValueError as e:
+        raise Internal(str(e)) from None

@@ -36,18 +36,11 @@ def _cuda_usable() -> bool:
 
 pytestmark = pytest.mark.skipif(not _cuda_usable(), reason="needs a GPU visible to torch and ONNX Runtime")
 
+from fixtures.deberta import make_deberta_checkpoint  # noqa: E402
 from fixtures.translation import make_tiny_checkpoint  # noqa: E402
-from relserve.models.checkpoint import save_checkpoint  # noqa: E402
-from relserve.models.deberta import DebertaConfig  # noqa: E402
-from relserve.models.deberta import DebertaForSequenceClassification  # noqa: E402
 from relserve.models.onnx.export import export_checkpoint
 from relserve.models.onnx.runtime import make_session  # noqa: E402
 from relserve.service.config import ModelConfig  # noqa: E402
-
-BASE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, relative_attention=True,
-            pos_att_type=["p2c", "c2p"], position_buckets=64, max_relative_positions=-1, share_att_key=True,
-            norm_rel_ebd="layer_norm", position_biased_input=False, type_vocab_size=0, max_position_embeddings=512,
-            num_labels=3)
 
 
 class _Item:
@@ -56,23 +49,16 @@ class _Item:
         self.token_type_ids = [0] * len(ids)
 
 
-def _checkpoint(root, vocab, **extra):
-    cfg = DebertaConfig.from_dict(dict(BASE, vocab_size=vocab, **extra))
-    torch.manual_seed(0)
-    model = DebertaForSequenceClassification(cfg).eval()
-    return save_checkpoint(model, cfg, root), model
+def _checkpoint(root, tokenizer_dir=None, **extra):
+    """A v3-style classifier (64 log buckets, 3 labels), library init under seed 0: (directory, our model)."""
+    tiny = make_deberta_checkpoint(root, tokenizer_dir=tokenizer_dir, labels=3, position_buckets=64, **extra)
+    return tiny.path, tiny.model
 
 
 def test_onnx_backend_on_cuda_matches_torch_cpu(tmp_path, unigram_tokenizer_dir):
-    import json
+    from relserve.service.backends.onnx_encoder import OnnxBackend
 
-    from relserve.service.backends.onnx_backend import OnnxBackend
-
-    vocab = len(json.loads((unigram_tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
-    cfg = DebertaConfig.from_dict(dict(BASE, vocab_size=vocab))
-    torch.manual_seed(0)
-    model = DebertaForSequenceClassification(cfg).eval()
-    ckpt = save_checkpoint(model, cfg, tmp_path / "ckpt", tokenizer_dir=unigram_tokenizer_dir)
+    ckpt, model = _checkpoint(tmp_path / "ckpt", unigram_tokenizer_dir)
     be = OnnxBackend(ModelConfig(name="m", path=ckpt, backend="onnx", device="cuda", onnx_cache_dir=tmp_path / "c",
                                  max_seq_len=128))
     meta = be.load()
@@ -91,7 +77,7 @@ def test_onnx_backend_on_cuda_matches_torch_cpu(tmp_path, unigram_tokenizer_dir)
 
 
 def test_t5_bias_runs_the_contrib_kernel_on_cuda(tmp_path):
-    ckpt, _ = _checkpoint(tmp_path / "ckpt", 97, relative_attention_type="t5", relative_attention_num_buckets=32,
+    ckpt, _ = _checkpoint(tmp_path / "ckpt", relative_attention_type="t5", relative_attention_num_buckets=32,
                           relative_attention_max_distance=128, norm_rel_ebd="none")
     graph = export_checkpoint(ckpt, tmp_path / "onnx", progress=None, parity=False).graph
     cuda = make_session(graph, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
@@ -106,7 +92,7 @@ def test_t5_bias_runs_the_contrib_kernel_on_cuda(tmp_path):
 def test_onnx_translation_backend_on_cuda(tmp_path, encoder):
     from relserve.models.decoding import DecodeOptions, beam_search
     from relserve.models.checkpoint import load_translation_checkpoint
-    from relserve.service.backends.translation_onnx import OnnxTranslationBackend
+    from relserve.service.backends.onnx_translation import OnnxTranslationBackend
 
     ckpt = make_tiny_checkpoint(tmp_path / "tr", seed=5, encoder=encoder)
     be = OnnxTranslationBackend(ModelConfig(name="t", path=ckpt, backend="onnx", device="cuda",
@@ -126,7 +112,7 @@ def test_onnx_translation_backend_on_cuda(tmp_path, encoder):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 2e-2)])
 def test_torch_encoder_on_cuda(tmp_path, dtype, tol):
-    _, model = _checkpoint(tmp_path / "ckpt", 97)
+    _, model = _checkpoint(tmp_path / "ckpt")
     ids = torch.randint(5, 97, (3, 300))
     mask = torch.ones_like(ids)
     mask[1, 100:] = 0

@@ -1,8 +1,9 @@
 """Parity of relserve.models.deberta against the transformers DebertaV2 oracle (random weights, no hub).
 
-Each oracle model is random-initialised from a ``DebertaV2Config``, its weights are re-drawn with larger
-scales (the HF init of std 0.02 makes attention almost uniform, which would hide a c2p/p2c mix-up), saved with
-``save_pretrained`` and loaded back through our ``load_checkpoint``.
+Each oracle model (``fixtures.deberta.make_deberta_checkpoint(oracle=True, init="spread")``) is random-initialised
+from a ``DebertaV2Config``, its weights are re-drawn with larger scales (the HF init of std 0.02 makes attention
+almost uniform, which would hide a c2p/p2c mix-up), saved with ``save_pretrained`` and loaded back through our
+``load_checkpoint``.
 """
 
 from __future__ import annotations
@@ -13,94 +14,25 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import (  # noqa: E402
-    DebertaV2Config,
-    DebertaV2ForQuestionAnswering,
-    DebertaV2ForSequenceClassification,
-)
 
+from fixtures.deberta import make_deberta_checkpoint  # noqa: E402
 from relserve.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
 from relserve.models.deberta import DebertaConfig  # noqa: E402
 from relserve.models.relative_position import build_relative_position  # noqa: E402
+from transformers import DebertaV2Config, DebertaV2ForQuestionAnswering  # noqa: E402
 
 TOL = 1e-4
 VOCAB = 97
 LENGTHS = (1, 7, 300, 600)
 
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=64,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
-)
-
+# (fixtures.deberta version, overrides). v3 / v2: the two presets (see fixtures/deberta.py).
 CONFIGS = {
-    # DeBERTa-v3: shared position projections, 256 log buckets, layer-normed relative table, no abs positions.
-    "v3": dict(
-        COMMON,
-        relative_attention=True,
-        pos_att_type=["p2c", "c2p"],
-        position_buckets=256,
-        max_relative_positions=-1,
-        share_att_key=True,
-        norm_rel_ebd="layer_norm",
-        position_biased_input=False,
-        type_vocab_size=0,
-        max_position_embeddings=512,
-    ),
-    # DeBERTa-v2 style: separate pos_key_proj/pos_query_proj, no buckets (plain clamp at ±64), absolute
-    # positions, token types, conv after layer 0, factorised embeddings (embed_proj).
-    "v2": dict(
-        COMMON,
-        relative_attention=True,
-        pos_att_type="p2c|c2p",
-        position_buckets=-1,
-        max_relative_positions=64,
-        share_att_key=False,
-        norm_rel_ebd="none",
-        position_biased_input=True,
-        type_vocab_size=2,
-        max_position_embeddings=640,
-        conv_kernel_size=3,
-        conv_act="gelu",
-        embedding_size=24,
-    ),
+    "v3": ("v3", {}),
+    "v2": ("v2", {}),
     # c2p only, small log buckets (32 per side stretched to 128).
-    "c2p_only": dict(
-        COMMON,
-        relative_attention=True,
-        pos_att_type=["c2p"],
-        position_buckets=32,
-        max_relative_positions=128,
-        share_att_key=False,
-        norm_rel_ebd="layer_norm",
-        position_biased_input=False,
-        type_vocab_size=0,
-        max_position_embeddings=512,
-    ),
+    "c2p_only": ("v3", dict(pos_att_type=["c2p"], position_buckets=32, max_relative_positions=128, share_att_key=False)),
 }
-
-HEADS = {
-    "classification": DebertaV2ForSequenceClassification,
-    "question-answering": DebertaV2ForQuestionAnswering,
-}
-
-
-def _randomise(model: torch.nn.Module, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "LayerNorm" in name:
-                base = 1.0 if name.endswith("weight") else 0.0
-                p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
-            elif "rel_embeddings" in name or "embeddings" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-
+TASKS = ("classification", "question-answering")
 
 _CACHE: dict[tuple[str, str], tuple] = {}
 
@@ -109,14 +41,12 @@ def _pair(name: str, task: str, tmp_path_factory):
     """(oracle model, our LoadedCheckpoint, checkpoint dir), built once per (config, task)."""
     key = (name, task)
     if key not in _CACHE:
-        torch.manual_seed(0)
-        hf_cfg = DebertaV2Config(**CONFIGS[name], num_labels=3 if task == "classification" else 2)
-        hf = HEADS[task](hf_cfg).eval()
-        _randomise(hf, seed=list(CONFIGS).index(name) * 10 + list(HEADS).index(task))
-        d = tmp_path_factory.mktemp(f"{name}-{task}")
-        hf.save_pretrained(d)
-        ours = load_checkpoint(d, load_tokenizer=False)
-        _CACHE[key] = (hf, ours, d)
+        version, overrides = CONFIGS[name]
+        tiny = make_deberta_checkpoint(tmp_path_factory.mktemp(f"{name}-{task}"), task=task, version=version,
+                                       oracle=True, vocab_size=VOCAB, labels=3, init="spread",
+                                       seed=list(CONFIGS).index(name) * 10 + TASKS.index(task), **overrides)
+        ours = load_checkpoint(tiny.path, load_tokenizer=False)
+        _CACHE[key] = (tiny.model, ours, tiny.path)
     return _CACHE[key]
 
 
@@ -153,12 +83,12 @@ def _check(task, a, b, lengths, tol=TOL):
             assert diff <= tol, f"{what} logits of sequence {i} (len {n}) differ by {diff}"
 
 
-@pytest.mark.parametrize("task", list(HEADS))
+@pytest.mark.parametrize("task", TASKS)
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_parity_unpadded(name, task, tmp_path_factory):
     hf, ours, _ = _pair(name, task, tmp_path_factory)
     assert ours.task == task
-    tv = CONFIGS[name]["type_vocab_size"]
+    tv = hf.config.type_vocab_size
     for T in LENGTHS:
         lengths = [T, T]
         ids, mask, tt = _inputs(lengths, seed=T, type_vocab=tv)
@@ -171,21 +101,21 @@ def test_parity_unpadded(name, task, tmp_path_factory):
     assert (a - b).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("task", list(HEADS))
+@pytest.mark.parametrize("task", TASKS)
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_parity_padded_batch(name, task, tmp_path_factory):
     hf, ours, _ = _pair(name, task, tmp_path_factory)
     lengths = [600, 7, 300, 1]
-    ids, mask, tt = _inputs(lengths, seed=5, type_vocab=CONFIGS[name]["type_vocab_size"])
+    ids, mask, tt = _inputs(lengths, seed=5, type_vocab=hf.config.type_vocab_size)
     _check(task, _run_hf(hf, task, ids, mask, tt), _run_ours(ours.model, ids, mask, tt), lengths)
 
 
-@pytest.mark.parametrize("task", list(HEADS))
+@pytest.mark.parametrize("task", TASKS)
 @pytest.mark.parametrize("name", ["v3", "v2"])
 def test_padding_never_changes_outputs(name, task, tmp_path_factory):
     """A sequence gives the same result alone and padded inside a batch, whatever sits in the padding."""
     _, ours, _ = _pair(name, task, tmp_path_factory)
-    tv = CONFIGS[name]["type_vocab_size"]
+    tv = ours.config.type_vocab_size
     lengths = [300, 7, 1, 45]
     ids, mask, tt = _inputs(lengths, seed=11, type_vocab=tv)  # padding holds random ids / token types
     batched = _run_ours(ours.model, ids, mask, tt)

@@ -10,8 +10,8 @@
 * the QA model beats trivial baselines on the 242 XQuAD dev questions (see QA_F1_FLOOR; it is weak);
 * all of defaults/ together is at most 25 MB (25,000,000 bytes) on disk.
 
-The data-dependent checks read ../shared/data and are skipped without it; the parity checks fall back
-to built-in sentences.
+The quality floors were measured on ../shared/data's dev files and are skipped without them; the parity
+checks fall back to the committed cuts in loadtest/data (fixtures/data.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SHARED_DATA, _jsonl
+from fixtures.data import jsonl, qa_rows
 from relserve.models.checkpoint import load_checkpoint
 
 DEFAULTS = Path(__file__).resolve().parents[2] / "defaults"
@@ -31,34 +31,10 @@ SENTIMENT = DEFAULTS / "sentiment"
 QA = DEFAULTS / "qa"
 SIZE_LIMIT = 25_000_000
 
-FALLBACK_SENTENCES = [
-    "This movie was a complete waste of time.",
-    "Absolutely loved it, the battery lasts for days!",
-    "not bad at all",
-    "The plot is thin and the acting is wooden, but the music is great.",
-]
-FALLBACK_QA = [
-    {
-        "question": "Where is Normandy?",
-        "context": "The Normans gave their name to Normandy, a region in France. Their leader was Rollo.",
-    },
-    {"question": "Who was their leader?", "context": "The Normans gave their name to Normandy. Their leader was Rollo."},
-]
-
 
 @pytest.fixture(scope="module")
 def transformers_mod():
     return pytest.importorskip("transformers")
-
-
-def _dev_sentences(n: int) -> list[dict]:
-    path = SHARED_DATA / "sentiment" / "dev.jsonl"
-    return _jsonl(path, n) if path.is_file() else []
-
-
-def _dev_questions(n: int) -> list[dict]:
-    path = SHARED_DATA / "qa" / "xquad_en_dev.jsonl"
-    return _jsonl(path, n) if path.is_file() else []
 
 
 def _pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,7 +109,7 @@ def qa_ours():
 def test_sentiment_parity_with_transformers(sentiment_ours, transformers_mod):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    texts = [r["text"] for r in _dev_sentences(8)] or FALLBACK_SENTENCES
+    texts = [r["text"] for r in jsonl("sentiment/dev.jsonl", 8)]
     hf_tok = AutoTokenizer.from_pretrained(SENTIMENT)
     hf = AutoModelForSequenceClassification.from_pretrained(SENTIMENT, dtype=torch.float32).eval()
     assert sentiment_ours.task == "classification"
@@ -149,9 +125,7 @@ def test_sentiment_parity_with_transformers(sentiment_ours, transformers_mod):
 
 
 def test_sentiment_accuracy_first_200_dev(sentiment_ours):
-    rows = _dev_sentences(200)
-    if not rows:
-        pytest.skip(f"{SHARED_DATA} not found")
+    rows = jsonl("sentiment/dev.jsonl", 200, exact=True)  # the class balance below is this file's
     tok = sentiment_ours.tokenizer
     seqs = [tok.encode(r["text"], max_length=128).input_ids for r in rows]
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
@@ -173,7 +147,7 @@ def test_sentiment_accuracy_first_200_dev(sentiment_ours):
 def test_qa_parity_with_transformers(qa_ours, transformers_mod):
     from transformers import AutoModelForQuestionAnswering, AutoTokenizer
 
-    rows = _dev_questions(4) or FALLBACK_QA
+    rows = jsonl("qa/xquad_en_dev.jsonl", 4)
     hf_tok = AutoTokenizer.from_pretrained(QA)
     hf = AutoModelForQuestionAnswering.from_pretrained(QA, dtype=torch.float32).eval()
     assert qa_ours.task == "question-answering"
@@ -194,9 +168,7 @@ def test_qa_parity_with_transformers(qa_ours, transformers_mod):
 
 
 def test_qa_answers_dev(qa_ours):
-    rows = _dev_questions(1000)
-    if not rows:
-        pytest.skip(f"{SHARED_DATA} not found")
+    rows = qa_rows("xquad_en_dev.jsonl", exact=True, answers=True)
     from relserve.models.training.qa import f1_score
     from relserve.service.tasks.qa import best_answers
 

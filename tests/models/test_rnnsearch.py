@@ -230,7 +230,7 @@ def _assert_same_hyps(got, want):
     assert [h.tokens for h in got] == [h.tokens for h in want]
     assert [h.finished for h in got] == [h.finished for h in want]
     for x, y in zip(got, want):
-        assert x.score == pytest.approx(y.score, abs=1e-5)
+        assert x.log_prob == pytest.approx(y.log_prob, abs=1e-5)
 
 
 @pytest.mark.parametrize("eos_bias", [0.0, 0.5, 1.0])
@@ -278,7 +278,7 @@ def test_iteration_level_admission_equals_solo_decoding():
 
 def _check_hypothesis_rules(hyps, max_length, n_best):
     assert len(hyps) == n_best
-    norm = [h.normalized_score for h in hyps]
+    norm = [h.score for h in hyps]
     assert norm == sorted(norm, reverse=True)
     for h in hyps:
         assert 1 <= len(h.tokens) <= max_length
@@ -287,7 +287,7 @@ def _check_hypothesis_rules(hyps, max_length, n_best):
         if h.finished:
             assert h.tokens[-1] == EOS
         assert PAD not in h.tokens and BOS not in h.tokens
-        assert h.normalized_score == pytest.approx(h.score / len(h.tokens))
+        assert h.score == pytest.approx(h.log_prob / len(h.tokens))
 
 
 @pytest.mark.parametrize("eos_bias, expect", [(0.0, "truncated"), (1.0, "mixed"), (4.0, "finished")])
@@ -363,7 +363,7 @@ def test_scripted_beam_no_growth_after_eos_and_truncation_fill():
     assert res[0].tokens == [EOS] and res[0].finished and res[0].alignment.shape == (1, 4)
     assert all(h.truncated and len(h.tokens) == 2 and EOS not in h.tokens for h in res[1:])
     assert all(h.alignment.shape == (2, 4) for h in res[1:])
-    norm = [h.normalized_score for h in res]
+    norm = [h.score for h in res]
     assert norm == sorted(norm, reverse=True)
 
 

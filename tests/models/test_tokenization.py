@@ -8,16 +8,16 @@ import unicodedata
 
 import pytest
 
-from conftest import SHARED_DATA, _jsonl, qa_rows
-from relserve.models.tokenization import _longest_first, load_tokenizer
-from relserve.models.training.tokenizer import corpus_lines, train_tokenizer
+from fixtures.data import SHARED_DATA, data_path, jsonl, qa_rows
+from relserve.models.tokenization import _longest_first, load_tokenizer, train_unigram_tokenizer
+from relserve.models.training.tokenizer import corpus_lines
 
 TOKENIZER_DIRS = ["unigram_tokenizer_dir", "spm_tokenizer_dir"]
 
 
 def _texts() -> list[str]:
-    en = [r["text"] for r in _jsonl(SHARED_DATA / "sentiment" / "dev.jsonl", 8)]
-    de = [r["source"] for r in _jsonl(SHARED_DATA / "translation" / "de_en_dev.jsonl", 8)]
+    en = [r["text"] for r in jsonl("sentiment/dev.jsonl", 8)]
+    de = [r["source"] for r in jsonl("translation/de_en_dev.jsonl", 8)]
     zh = [r["context"][:120] for r in qa_rows("xquad_zh_sample.jsonl")[10:14]]
     de += [r["context"][:200] for r in qa_rows("xquad_de_sample.jsonl")[:3]]
     odd = [
@@ -184,9 +184,10 @@ def test_missing_files_raise(tmp_path):
 
 
 def test_train_tokenizer_loads_in_both(tmp_path, hf_tokenizer):
+    data_path("sentiment/train.jsonl")  # corpus_lines reads it first; its first 1500 lines are all used here
     lines = list(itertools.islice(corpus_lines(SHARED_DATA), 1500))
-    out1 = train_tokenizer(lines, tmp_path / "a", vocab_size=600)
-    out2 = train_tokenizer(lines, tmp_path / "b", vocab_size=600)
+    out1 = train_unigram_tokenizer(lines, tmp_path / "a", vocab_size=600)
+    out2 = train_unigram_tokenizer(lines, tmp_path / "b", vocab_size=600)
     assert (out1 / "tokenizer.json").read_bytes() == (out2 / "tokenizer.json").read_bytes()  # deterministic
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         assert (out1 / f).is_file()

@@ -8,88 +8,38 @@ from pathlib import Path
 import pytest
 import torch
 
-from relserve.models.deberta import DebertaConfig
+from fixtures.translation import sentence_pairs, tiny_translation_model
 from relserve.models.decoding import DecodeOptions, beam_search, greedy_search
 from relserve.models.checkpoint import (
     TranslationCheckpointError,
     load_translation_checkpoint,
     save_translation_checkpoint,
 )
-from relserve.models.rnnsearch import RNNSearchConfig, build_translation_model
 from relserve.models.tokenization import TranslationTokenizer
 from relserve.models.training.translation import (
     collate,
     encode_pairs,
     main as train_main,
     pad_sources,
-    teacher_forced_logits,
     translate,
 )
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 DEFAULTS = {
     "bigru": REPO / "defaults" / "translate-de-en",
     "deberta": REPO / "defaults" / "translate-de-en-deberta",
 }
-FALLBACK_PAIRS = [
-    ("Das Abendessen hat mir geschmeckt.", "I enjoyed my supper."),
-    ("Wollen wir zusammen zu Abend essen?", "Would you like to have dinner with me?"),
-    ("Ich habe keine Zeit.", "I have no time."),
-    ("Er ist gestern nach Hause gekommen.", "He came home yesterday."),
-]
 
 
-def _pairs(split: str, limit: int) -> list[tuple[str, str]]:
-    path = SHARED_DATA / "translation" / f"de_en_{split}.jsonl"
-    if not path.is_file():
-        return FALLBACK_PAIRS[:limit]
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                r = json.loads(line)
-                rows.append((r["source"], r["target"]))
-            if len(rows) >= limit:
-                break
-    return rows
+def _pairs(split: str, limit: int, *, targets: bool = False) -> list[tuple[str, str]]:
+    """German/English pairs (``fixtures.translation.sentence_pairs``: without ../shared the German side stands in
+    for the target unless ``targets``)."""
+    return sentence_pairs(limit, split=split, targets=targets)
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> TranslationTokenizer:
     return TranslationTokenizer.from_dir(DEFAULTS["bigru"])
-
-
-def _tiny_model(tok: TranslationTokenizer, encoder: str, seed: int = 0):
-    torch.manual_seed(seed)
-    common = dict(
-        src_vocab_size=tok.source_vocab_size,
-        tgt_vocab_size=tok.target_vocab_size,
-        embedding_size=16,
-        hidden_size=12,
-        alignment_size=10,
-        maxout_size=8,
-    )
-    if encoder == "bigru":
-        return build_translation_model(RNNSearchConfig(**common)).eval()
-    enc = DebertaConfig(
-        vocab_size=tok.source_vocab_size,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        relative_attention=True,
-        position_buckets=8,
-        max_relative_positions=16,
-        pos_att_type=["c2p", "p2c"],
-        share_att_key=True,
-        norm_rel_ebd="layer_norm",
-        position_biased_input=False,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    cfg = RNNSearchConfig(encoder_type="external", annotation_size=16, **common)
-    return build_translation_model(cfg, enc).eval()
 
 
 def _batch(tok, pairs):
@@ -102,7 +52,7 @@ def _batch(tok, pairs):
 
 def test_tokenizer_round_trip(tokenizer):
     assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
-    pairs = _pairs("dev", 200)
+    pairs = _pairs("dev", 200, targets=True)  # English decoding is checked
     ok = 0
     for src, tgt in pairs:
         ids = tokenizer.encode_source(src)
@@ -126,7 +76,7 @@ def test_tokenizer_round_trip(tokenizer):
 
 @pytest.mark.parametrize("encoder", ["bigru", "deberta"])
 def test_checkpoint_round_trip(tmp_path, tokenizer, encoder):
-    model = _tiny_model(tokenizer, encoder)
+    model = tiny_translation_model(tokenizer, encoder)
     out = save_translation_checkpoint(model, tokenizer, tmp_path / "ckpt")
     files = sorted(p.name for p in Path(out).iterdir())
     assert files == ["config.json", "model.safetensors", "source.spm", "target.spm"]
@@ -139,7 +89,6 @@ def test_checkpoint_round_trip(tmp_path, tokenizer, encoder):
     pairs = _pairs("dev", 6)
     src, mask, tgt_in, _ = _batch(tokenizer, pairs)
     with torch.no_grad():
-        assert torch.equal(teacher_forced_logits(model, src, mask, tgt_in), teacher_forced_logits(loaded, src, mask, tgt_in))
         assert torch.equal(model(src, mask, tgt_in), loaded(src, mask, tgt_in))
     opts = DecodeOptions(beam_size=3, max_len_cap=12)
     a = [h[0].tokens for h in beam_search(model, src, mask, opts)]
@@ -155,11 +104,18 @@ def test_checkpoint_round_trip(tmp_path, tokenizer, encoder):
         assert torch.equal(v.half().to(v.dtype), v2) if v.is_floating_point() else torch.equal(v, v2)
 
 
-def test_teacher_forcing_matches_model_forward(tokenizer):
-    model = _tiny_model(tokenizer, "bigru")
+@pytest.mark.parametrize("encoder", ["bigru", "deberta"])
+def test_teacher_forcing_matches_step_decoding(tokenizer, encoder):
+    """The training forward (teacher forcing) equals serving's encode + decode_step fed the same tokens."""
+    model = tiny_translation_model(tokenizer, encoder)
     src, mask, tgt_in, _ = _batch(tokenizer, _pairs("train", 5))
     with torch.no_grad():
-        torch.testing.assert_close(teacher_forced_logits(model, src, mask, tgt_in), model(src, mask, tgt_in))
+        forced = torch.log_softmax(model(src, mask, tgt_in).float(), dim=-1)  # Float[B,T,K_y]
+        state = model.encode(src, mask)
+        hidden = state.init_state
+        for i in range(tgt_in.shape[1]):
+            log_probs, hidden, _ = model.decode_step(state, None, tgt_in[:, i], hidden)
+            torch.testing.assert_close(forced[:, i], log_probs)
 
 
 def test_bad_checkpoint_dirs(tmp_path, tokenizer):
@@ -169,7 +125,7 @@ def test_bad_checkpoint_dirs(tmp_path, tokenizer):
     with pytest.raises(TranslationCheckpointError, match="config.json: missing"):
         load_translation_checkpoint(tmp_path / "empty")
 
-    good = Path(save_translation_checkpoint(_tiny_model(tokenizer, "bigru"), tokenizer, tmp_path / "good"))
+    good = Path(save_translation_checkpoint(tiny_translation_model(tokenizer, "bigru"), tokenizer, tmp_path / "good"))
 
     def variant(name, edit_config=None, remove=None):
         d = tmp_path / name

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -16,61 +15,25 @@ torch = pytest.importorskip("torch")
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 transformers = pytest.importorskip("transformers")
-from transformers import DebertaV2Config, DebertaV2ForQuestionAnswering, DebertaV2ForSequenceClassification  # noqa: E402
 
+from fixtures.deberta import make_deberta_checkpoint  # noqa: E402
 from relserve.models.onnx import ops as onnx_ops  # noqa: E402
-from relserve.models.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from relserve.models.deberta import DebertaConfig  # noqa: E402
-from relserve.models.deberta import DebertaForSequenceClassification  # noqa: E402
+from relserve.models.checkpoint import load_checkpoint  # noqa: E402
 from relserve.models.onnx.export import export_checkpoint
 from relserve.models.onnx.runtime import make_session  # noqa: E402
-from relserve.service.backends.onnx_backend import OnnxBackend  # noqa: E402
-from relserve.service.backends.torch_backend import TorchBackend  # noqa: E402
+from relserve.service.backends.onnx_encoder import OnnxBackend  # noqa: E402
+from relserve.service.backends.torch_encoder import TorchBackend  # noqa: E402
 from relserve.service.config import ModelConfig  # noqa: E402
 
 TOL = 1e-4
-COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-V3 = dict(COMMON, relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=256, max_relative_positions=-1,
-          share_att_key=True, norm_rel_ebd="layer_norm", position_biased_input=False, type_vocab_size=0,
-          max_position_embeddings=512)
-V2 = dict(COMMON, relative_attention=True, pos_att_type="p2c|c2p", position_buckets=-1, max_relative_positions=64,
-          share_att_key=False, norm_rel_ebd="none", position_biased_input=True, type_vocab_size=2,
-          max_position_embeddings=640, conv_kernel_size=3, conv_act="gelu", embedding_size=24)
-
-
-def _randomise(model, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "LayerNorm" in name:
-                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn(p.shape, generator=g))
-            elif "embeddings" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-
-
-def _hf_checkpoint(root, cls, cfg, seed, tokenizer_dir=None):
-    hf = cls(DebertaV2Config(**cfg)).eval()
-    _randomise(hf, seed)
-    hf.save_pretrained(root)
-    if tokenizer_dir is not None:
-        for f in tokenizer_dir.iterdir():
-            shutil.copy(f, root / f.name)
-    return hf
-
-
-def _vocab(tokenizer_dir) -> int:
-    return len(json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
 
 
 @pytest.fixture(scope="module")
 def v3(unigram_tokenizer_dir, tmp_path_factory):
     """C01's model: a v3-style classifier (position_buckets 256, no token types), exported from 8 tokens."""
     root = tmp_path_factory.mktemp("v3")
-    hf = _hf_checkpoint(root, DebertaV2ForSequenceClassification, dict(V3, vocab_size=_vocab(unigram_tokenizer_dir),
-                                                                       num_labels=3), 0, unigram_tokenizer_dir)
+    hf = make_deberta_checkpoint(root, version="v3", oracle=True, tokenizer_dir=unigram_tokenizer_dir, labels=3,
+                                 init="spread", seed=0).model
     result = export_checkpoint(root, root / "onnx", progress=None)
     return hf, root, result
 
@@ -78,7 +41,8 @@ def v3(unigram_tokenizer_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def v2qa(tmp_path_factory):
     root = tmp_path_factory.mktemp("v2qa")
-    hf = _hf_checkpoint(root, DebertaV2ForQuestionAnswering, dict(V2, vocab_size=97), 1)
+    hf = make_deberta_checkpoint(root, task="question-answering", version="v2", oracle=True, vocab_size=97,
+                                 init="spread", seed=1).model
     return hf, root, export_checkpoint(root, root / "onnx", progress=None)
 
 
@@ -181,13 +145,10 @@ def test_v2_qa_with_token_types_matches_torch_and_transformers(v2qa):
 
 
 def test_t5_relative_bias_encoder_exports(tmp_path):
-    cfg = DebertaConfig.from_dict(dict(V3, vocab_size=97, num_labels=2, relative_attention_type="t5",
-                                       relative_attention_num_buckets=32, relative_attention_max_distance=128,
-                                       norm_rel_ebd="none"))
-    model = DebertaForSequenceClassification(cfg)
-    _randomise(model, 3)
+    model = make_deberta_checkpoint(tmp_path / "ckpt", version="v3", labels=2, init="spread", seed=3,
+                                    relative_attention_type="t5", relative_attention_num_buckets=32,
+                                    relative_attention_max_distance=128, norm_rel_ebd="none").model
     assert tuple(model.deberta.encoder.relative_attention_bias.weight.shape) == (32, 4)
-    save_checkpoint(model, cfg, tmp_path / "ckpt")
     assert load_checkpoint(tmp_path / "ckpt", load_tokenizer=False).config.relative_attention_type == "t5"
     result = export_checkpoint(tmp_path / "ckpt", tmp_path / "onnx", progress=None)
     assert result.report["parity"]["passed"], result.report["parity"]
@@ -235,10 +196,7 @@ def test_export_opsets_and_out_dir_errors(tmp_path, capsys):
     OUT_DIR under a file are refused with a message, not a traceback."""
     from relserve.models.onnx.cli import main as export_main
 
-    cfg = DebertaConfig.from_dict(dict(V3, vocab_size=97, num_labels=2))
-    model = DebertaForSequenceClassification(cfg)
-    _randomise(model, 4)
-    ckpt = save_checkpoint(model, cfg, tmp_path / "ckpt")
+    ckpt = make_deberta_checkpoint(tmp_path / "ckpt", version="v3", labels=2, init="spread", seed=4).path
     for opset in (17, 20):
         result = export_checkpoint(ckpt, tmp_path / f"o{opset}", opset=opset, progress=None)
         graph = onnx.load(result.graph)

@@ -5,7 +5,9 @@
   custom-domain nodes, dynamic axes, the parity report;
 * a plain ``onnxruntime.InferenceSession`` on each graph vs torch at held-back lengths and batch mixes;
 * beam search on the graphs gives torch's tokens;
-* the server on ``backend=onnx`` vs ``backend=torch`` over gRPC, export into the cache, a refused graph.
+* ``OnnxTranslationBackend``: graphs of other weights or shapes refused, the vocabulary-wide parity check,
+  backend selection, the translation benchmark. (Serving it over gRPC: tests/serving/test_translate_server.py;
+  the export cache's repairs: tests/serving/test_onnx_server.py.)
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
-from fixtures.fake_serving import server_config  # noqa: E402
-from fixtures.server import Running  # noqa: E402
 from fixtures.translation import make_tiny_checkpoint  # noqa: E402
 from relserve.models.decoding import DecodeOptions, beam_search  # noqa: E402
 from relserve.models.checkpoint import checkpoint_hash  # noqa: E402
@@ -30,12 +30,10 @@ from relserve.models.onnx.export_rnnsearch import onnx_bigru_reference, onnx_gru
 from relserve.models.onnx.runtime import OrtRNNSearch  # noqa: E402
 from relserve.models.rnnsearch import RNNSearch, RNNSearchConfig  # noqa: E402
 from relserve.models.checkpoint import load_translation_checkpoint  # noqa: E402
-from relserve.service._proto import inference_pb2 as pb  # noqa: E402
 from relserve.service.backends import create_translation_backend  # noqa: E402
-from relserve.service.backends.onnx_backend import GraphMismatch  # noqa: E402
-from relserve.service.backends.translation_onnx import OnnxTranslationBackend  # noqa: E402
+from relserve.service.backends.graph_cache import GraphMismatch  # noqa: E402
+from relserve.service.backends.onnx_translation import OnnxTranslationBackend  # noqa: E402
 from relserve.service.config import ConfigError, ModelConfig  # noqa: E402
-from relserve.service.runner import build_runner  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +176,7 @@ def test_beam_search_on_the_graphs_gives_torch_tokens(exported, checkpoints, kin
         got = beam_search(ort_model, torch.from_numpy(ids), torch.from_numpy(mask), opts)
         for w, g in zip(want, got):
             assert [h.tokens for h in w] == [h.tokens for h in g]
-            np.testing.assert_allclose([h.score for h in w], [h.score for h in g], atol=1e-4)
+            np.testing.assert_allclose([h.log_prob for h in w], [h.log_prob for h in g], atol=1e-4)
             for hw, hg in zip(w, g):
                 np.testing.assert_allclose(hw.alignment.numpy(), hg.alignment.numpy(), atol=1e-4)
     with pytest.raises(ValueError, match="at least one token"):
@@ -193,54 +191,7 @@ def test_export_refuses_a_broken_translation_checkpoint(checkpoints, tmp_path, c
     assert "model.safetensors: missing" in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------------- serving
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("onnx-translation-cache")
-
-
-@pytest.fixture(scope="module")
-def srv(checkpoints, cache_dir):
-    common = dict(device="cpu", max_source_tokens=120, max_queue_delay=0.002)
-    runners = [build_runner(ModelConfig(name=f"{kind}-{backend}", path=checkpoints[kind], backend=backend,
-                                        onnx_cache_dir=cache_dir, **common))
-               for kind in ("bigru", "deberta") for backend in ("torch", "onnx")]
-    s = Running(server_config(), runners)
-    s.wait_serving(timeout=150)
-    yield s
-    s.close()
-
-
-def test_server_lists_the_provider_and_exports_into_the_cache(srv, checkpoints, cache_dir):
-    models = {m.name: m for m in srv.stub.ListModels(pb.ListModelsRequest()).models}
-    assert models["bigru-onnx"].backend == "onnxruntime" and models["bigru-onnx"].device == "CPUExecutionProvider"
-    assert models["bigru-torch"].backend == "torch" and models["bigru-onnx"].task == "translation"
-    for kind in ("bigru", "deberta"):
-        d = cache_dir / checkpoint_hash(checkpoints[kind])
-        assert (d / "encoder.onnx").is_file() and (d / "decoder_step.onnx").is_file()
-
-
-@pytest.mark.parametrize("kind", ["bigru", "deberta"])
-def test_translate_equal_on_both_backends(srv, kind):
-    texts = ["Guten Morgen.", "Der alte Mann ging gestern Abend mit seinem Hund spazieren.", "Ja", "Wie geht es dir?"]
-    for beam in (1, 4):
-        kw = dict(texts=texts, beam_size=beam, n_best=min(beam, 2), max_length=20, return_alignment=True)
-        a = srv.stub.Translate(pb.TranslateRequest(model=f"{kind}-torch", **kw), timeout=60).results
-        b = srv.stub.Translate(pb.TranslateRequest(model=f"{kind}-onnx", **kw), timeout=60).results
-        assert len(a) == len(b) == len(texts)
-        for x, y in zip(a, b):
-            assert [list(h.token_ids) for h in x.hypotheses] == [list(h.token_ids) for h in y.hypotheses]
-            assert [h.text for h in x.hypotheses] == [h.text for h in y.hypotheses]
-            np.testing.assert_allclose([h.score for h in x.hypotheses], [h.score for h in y.hypotheses], atol=1e-4)
-
-
-def test_stream_on_onnx_backend(srv):
-    req = pb.TranslateRequest(model="bigru-onnx", texts=["Das Wetter ist heute schön."], beam_size=3, max_length=12)
-    unary = srv.stub.Translate(req, timeout=60).results[0]
-    msgs = list(srv.stub.TranslateStream(req, timeout=60))
-    assert msgs[-1].final and [h.text for h in msgs[-1].result.hypotheses] == [h.text for h in unary.hypotheses]
+# ---------------------------------------------------------------------- the ONNX Runtime backend
 
 
 def test_graphs_of_other_weights_are_refused(checkpoints, exported, tmp_path):
@@ -295,20 +246,6 @@ def test_graphs_of_another_shape_are_refused_by_name(checkpoints, exported, tmp_
         OnnxTranslationBackend(ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx")).load()
 
 
-def test_a_broken_cache_entry_is_exported_again(checkpoints, tmp_path):
-    cfg = ModelConfig(name="m", path=checkpoints["bigru"], device="cpu", backend="onnx", onnx_cache_dir=tmp_path)
-    OnnxTranslationBackend(cfg).load()
-    entry = tmp_path / checkpoint_hash(checkpoints["bigru"])
-    (entry / "decoder_step.onnx").write_bytes(b"not a protobuf")  # truncated / corrupted
-    be = OnnxTranslationBackend(cfg)
-    be.load()
-    assert be.parity_diff < 1e-4 and (entry / "decoder_step.onnx").stat().st_size > 1000
-    (entry / "encoder.onnx").unlink()  # incomplete
-    be = OnnxTranslationBackend(cfg)
-    be.load()
-    assert (entry / "encoder.onnx").is_file()
-
-
 def test_backend_selection_for_translation(checkpoints):
     assert isinstance(create_translation_backend(ModelConfig(name="m", path=checkpoints["bigru"], backend="onnx")),
                       OnnxTranslationBackend)
@@ -344,26 +281,3 @@ def test_a_failed_export_leaves_out_dir_unchanged(checkpoints, exported, tmp_pat
     assert export_main([str(checkpoints["bigru"]), str(out), "--opset", "17"]) == 1
     assert "not the requested 17" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # and no staging folder left behind
-
-
-def test_cache_and_config_edge_cases(checkpoints, tmp_path):
-    from relserve.service.config import load_config
-
-    cfg = ModelConfig(name="m", path=checkpoints["bigru"], device="cpu", backend="onnx", onnx_cache_dir=tmp_path / "c")
-    (tmp_path / "c").mkdir()
-    (tmp_path / "c" / checkpoint_hash(checkpoints["bigru"])).write_text("a stray file where the entry belongs")
-    OnnxTranslationBackend(cfg).load()
-    assert (tmp_path / "c" / checkpoint_hash(checkpoints["bigru"]) / "encoder.onnx").is_file()
-    entry = tmp_path / "c" / checkpoint_hash(checkpoints["bigru"])
-    shutil.rmtree(entry)
-    (tmp_path / "elsewhere").mkdir()
-    entry.symlink_to(tmp_path / "elsewhere")  # a link where the entry belongs: replaced by a real entry
-    OnnxTranslationBackend(cfg).load()
-    assert not entry.is_symlink() and (entry / "decoder_step.onnx").is_file()
-    assert oct((entry / "encoder.onnx").stat().st_mode & 0o777) == "0o644"
-    (tmp_path / "file").write_text("x")
-    with pytest.raises(ConfigError, match="onnx_cache_dir .* cannot be used as a directory"):
-        OnnxTranslationBackend(ModelConfig(name="m", path=checkpoints["bigru"], device="cpu", backend="onnx",
-                                           onnx_cache_dir=tmp_path / "file")).load()
-    with pytest.raises(ConfigError, match="onnx_cache_dir is empty"):
-        load_config(model_specs=[f"m={checkpoints['bigru']},backend=onnx,onnx_cache_dir="])

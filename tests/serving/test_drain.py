@@ -15,7 +15,6 @@ the signal; the test allows that outcome only within that race window.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import grpc
@@ -25,12 +24,10 @@ torch = pytest.importorskip("torch")
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from fixtures.deberta import make_deberta_checkpoint  # noqa: E402
 from relserve.loadtest import generator, promscrape  # noqa: E402
 from relserve.loadtest.scenarios import Scenario  # noqa: E402
 from relserve.loadtest.serverproc import ServerProcess  # noqa: E402
-from relserve.models.checkpoint import save_checkpoint  # noqa: E402
-from relserve.models.deberta import DebertaConfig  # noqa: E402
-from relserve.models.deberta import DebertaForSequenceClassification  # noqa: E402
 
 DRAIN_TIMEOUT = 10.0
 CLIENTS = 16
@@ -42,17 +39,9 @@ RACE = 0.5           # a request sent this long after the signal certainly meets
 
 @pytest.fixture(scope="module")
 def tiny_classifier(unigram_tokenizer_dir, tmp_path_factory):
-    vocab = len(json.loads((unigram_tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
-    cfg = DebertaConfig.from_dict(dict(
-        vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-        max_position_embeddings=512, relative_attention=True, position_buckets=64, pos_att_type=["p2c", "c2p"],
-        position_biased_input=False, norm_rel_ebd="layer_norm", share_att_key=True, type_vocab_size=0,
-        pad_token_id=0, num_labels=2, id2label={"0": "negative", "1": "positive"},
-        label2id={"negative": 0, "positive": 1},
-    ))
-    torch.manual_seed(0)
-    return save_checkpoint(DebertaForSequenceClassification(cfg), cfg, tmp_path_factory.mktemp("drain") / "tiny",
-                           tokenizer_dir=unigram_tokenizer_dir)
+    return make_deberta_checkpoint(tmp_path_factory.mktemp("drain") / "tiny", tokenizer_dir=unigram_tokenizer_dir,
+                                   labels=("negative", "positive"), hidden_size=64, intermediate_size=128,
+                                   num_attention_heads=2, position_buckets=64).path
 
 
 def _wait_exit(srv: ServerProcess, timeout: float) -> tuple[int, float]:

@@ -15,7 +15,7 @@ from fixtures.fake_serving import runner, server_config
 from relserve.loadtest import cli, promscrape, report
 from relserve.loadtest.generator import Records
 from relserve.loadtest.scenarios import Scenario, ScenarioUnavailable, mixed_length_texts, qa_pairs, sentences
-from relserve.service.backends import TASK_QA
+from relserve.service.backends.base import TASK_QA
 from relserve.service.batcher import Batcher
 from relserve.service.server import InferenceServer
 

@@ -1,10 +1,10 @@
 """backend=torch and backend=onnx serving the same tiny checkpoints through a real grpc.aio server: equal
 answers over gRPC, the ONNX provider in ListModels, export-on-first-load into the cache (keyed by checkpoint
-hash), the load-time parity self-check refusing a graph that belongs to other weights, config keys."""
+hash), the load-time parity self-check refusing a graph that belongs to other weights, backend=auto; the export
+cache's repairs for both model families (encoder and translation graphs)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import numpy as np
@@ -15,15 +15,15 @@ pytest.importorskip("onnxruntime")
 
 from fixtures.fake_serving import server_config  # noqa: E402
 from fixtures.server import Running  # noqa: E402
-from relserve.models.checkpoint import save_checkpoint  # noqa: E402
-from relserve.models.deberta import DebertaConfig  # noqa: E402
-from relserve.models.deberta import DebertaForQuestionAnswering, DebertaForSequenceClassification  # noqa: E402
+from fixtures.deberta import make_deberta_checkpoint  # noqa: E402
+from fixtures.translation import make_tiny_checkpoint  # noqa: E402
 from relserve.models.checkpoint import checkpoint_hash  # noqa: E402
 from relserve.service._proto import inference_pb2 as pb  # noqa: E402
 from relserve.service.backends import create_backend  # noqa: E402
-from relserve.service.backends.onnx_backend import GraphMismatch, OnnxBackend  # noqa: E402
-from relserve.service.config import ConfigError, ModelConfig, default_onnx_cache_dir, load_config  # noqa: E402
-from relserve.service.runner import build_runner  # noqa: E402
+from relserve.service.backends.graph_cache import GraphMismatch  # noqa: E402
+from relserve.service.backends.onnx_encoder import OnnxBackend  # noqa: E402
+from relserve.service.config import ConfigError, ModelConfig  # noqa: E402
+from relserve.service.registry import build_runner  # noqa: E402
 
 CONTEXT = "Ann lives in Berlin and works as a baker. Her brother Tom lives in Paris. " * 8
 
@@ -37,36 +37,14 @@ def _strip_origin(graph):
     onnx.save(proto, graph)
 
 
-def _tiny(vocab_size: int, qa: bool = False) -> DebertaConfig:
-    labels = {} if qa else dict(num_labels=3, id2label={"0": "a", "1": "b", "2": "c"})
-    return DebertaConfig.from_dict(dict(
-        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=512, relative_attention=True, position_buckets=64,
-        pos_att_type=["p2c", "c2p"], position_biased_input=False, norm_rel_ebd="layer_norm",
-        share_att_key=True, type_vocab_size=0, pad_token_id=0, **labels,
-    ))
-
-
-def _randomise(model, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "LayerNorm" not in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-
-
 @pytest.fixture(scope="module")
 def checkpoints(unigram_tokenizer_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("onnx-ckpt")
-    vocab = len(json.loads((unigram_tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
     out = {}
-    for name, cls, qa, seed in (("cls", DebertaForSequenceClassification, False, 1),
-                                ("qa", DebertaForQuestionAnswering, True, 2),
-                                ("cls-other", DebertaForSequenceClassification, False, 3)):
-        cfg = _tiny(vocab, qa=qa)
-        model = cls(cfg)
-        _randomise(model, seed)
-        out[name] = save_checkpoint(model, cfg, root / name, tokenizer_dir=unigram_tokenizer_dir)
+    for name, task, seed in (("cls", "classification", 1), ("qa", "question-answering", 2),
+                             ("cls-other", "classification", 3)):
+        out[name] = make_deberta_checkpoint(root / name, task=task, tokenizer_dir=unigram_tokenizer_dir,
+                                            labels=("a", "b", "c"), init="spread", seed=seed).path
     return out
 
 
@@ -153,18 +131,9 @@ def test_graph_of_other_weights_is_refused(srv, checkpoints, cache_dir, tmp_path
     assert meta.backend == "onnxruntime" and be.parity_diff is not None and be.parity_diff < 1e-4
 
 
-def test_config_keys_and_auto(tmp_path, checkpoints, monkeypatch):
-    cfg = load_config(model_specs=[f"m={checkpoints['cls']},backend=onnx,onnx_cache_dir=c,onnx_intra_op_threads=2,"
-                                   f"onnx_graph_optimization=basic"])
-    m = cfg.models[0]
-    assert m.backend == "onnx" and m.onnx_intra_op_threads == 2 and m.onnx_graph_optimization == "basic"
-    assert m.resolved_onnx_cache_dir().is_absolute()
-    with pytest.raises(ConfigError, match="onnx_graph_optimization"):
-        load_config(model_specs=[f"m={checkpoints['cls']},onnx_graph_optimization=max"])
-    with pytest.raises(ConfigError, match="backend 'tensorrt'"):
-        load_config(model_specs=[f"m={checkpoints['cls']},backend=tensorrt"])
-    assert default_onnx_cache_dir({"XDG_CACHE_HOME": "/x"}).as_posix() == "/x/relserve/onnx"
-    assert default_onnx_cache_dir({}).as_posix() == "/tmp/relserve-cache/onnx"
+def test_backend_auto_and_dtype(checkpoints):
+    """backend=auto picks ONNX Runtime for float32 and torch for half precision; the ONNX backend refuses a half
+    dtype at load (the config check is in tests/unit/test_config.py)."""
     assert isinstance(create_backend(ModelConfig(name="m", path=checkpoints["cls"], backend="auto")), OnnxBackend)
     assert create_backend(ModelConfig(name="m", path=checkpoints["cls"], backend="auto", dtype="float16")).name == "torch"
     be = OnnxBackend(ModelConfig(name="m", path=checkpoints["cls"], backend="onnx", device="cpu", dtype="bfloat16"))
@@ -172,7 +141,7 @@ def test_config_keys_and_auto(tmp_path, checkpoints, monkeypatch):
         be.load()
 
 
-def test_graph_provenance_vocabulary_wide_check_and_cache_repair(checkpoints, cache_dir, tmp_path):
+def test_graph_provenance_and_vocabulary_wide_check(checkpoints, cache_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from relserve.models.onnx.runtime import REPORT_NAME
@@ -197,7 +166,19 @@ def test_graph_provenance_vocabulary_wide_check_and_cache_repair(checkpoints, ca
     _strip_origin(ckpt / "onnx" / "model.onnx")  # a graph that does not say where it came from
     with pytest.raises(GraphMismatch, match="refusing to serve"):
         OnnxBackend(ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx", max_seq_len=64)).load()
-    # 3. a corrupted cache entry is exported again instead of failing every restart
+
+
+# ---------------------------------------------------------------------- the export cache, both model families
+# (service/backends: graphs keyed by checkpoint hash; a bad entry is repaired, never served or fatal)
+
+
+@pytest.fixture(scope="module")
+def translation_checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("onnx-cache-translation") / "bigru", seed=11)
+
+
+def test_a_corrupted_encoder_cache_entry_is_exported_again(checkpoints, tmp_path):
+    """A truncated graph in the cache is exported again instead of failing every restart."""
     cache = tmp_path / "cache"
     cfg = ModelConfig(name="m", path=checkpoints["cls"], device="cpu", backend="onnx", max_seq_len=64,
                       onnx_cache_dir=cache)
@@ -209,6 +190,41 @@ def test_graph_provenance_vocabulary_wide_check_and_cache_repair(checkpoints, ca
     assert be.parity_diff < 1e-4 and graph.stat().st_size > 1000
 
 
-def test_onnx_backend_half_precision_is_a_config_error(checkpoints):
-    with pytest.raises(ConfigError, match="float32 graphs only"):
-        load_config(model_specs=[f"m={checkpoints['cls']},backend=onnx,dtype=float16"])
+def test_a_broken_translation_cache_entry_is_exported_again(translation_checkpoint, tmp_path):
+    from relserve.service.backends.onnx_translation import OnnxTranslationBackend
+
+    cfg = ModelConfig(name="m", path=translation_checkpoint, device="cpu", backend="onnx", onnx_cache_dir=tmp_path)
+    OnnxTranslationBackend(cfg).load()
+    entry = tmp_path / checkpoint_hash(translation_checkpoint)
+    (entry / "decoder_step.onnx").write_bytes(b"not a protobuf")  # truncated / corrupted
+    be = OnnxTranslationBackend(cfg)
+    be.load()
+    assert be.parity_diff < 1e-4 and (entry / "decoder_step.onnx").stat().st_size > 1000
+    (entry / "encoder.onnx").unlink()  # incomplete
+    be = OnnxTranslationBackend(cfg)
+    be.load()
+    assert (entry / "encoder.onnx").is_file()
+
+
+def test_cache_entry_edge_cases(translation_checkpoint, tmp_path):
+    """A stray file or a symlink where the entry belongs is replaced by a real entry, readable by other users;
+    an onnx_cache_dir that is a file is a config error naming it."""
+    from relserve.service.backends.onnx_translation import OnnxTranslationBackend
+
+    ckpt = translation_checkpoint
+    cfg = ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx", onnx_cache_dir=tmp_path / "c")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / checkpoint_hash(ckpt)).write_text("a stray file where the entry belongs")
+    OnnxTranslationBackend(cfg).load()
+    assert (tmp_path / "c" / checkpoint_hash(ckpt) / "encoder.onnx").is_file()
+    entry = tmp_path / "c" / checkpoint_hash(ckpt)
+    shutil.rmtree(entry)
+    (tmp_path / "elsewhere").mkdir()
+    entry.symlink_to(tmp_path / "elsewhere")  # a link where the entry belongs: replaced by a real entry
+    OnnxTranslationBackend(cfg).load()
+    assert not entry.is_symlink() and (entry / "decoder_step.onnx").is_file()
+    assert oct((entry / "encoder.onnx").stat().st_mode & 0o777) == "0o644"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="onnx_cache_dir .* cannot be used as a directory"):
+        OnnxTranslationBackend(ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx",
+                                           onnx_cache_dir=tmp_path / "file")).load()

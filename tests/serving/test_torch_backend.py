@@ -10,41 +10,18 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from relserve.models.checkpoint import save_checkpoint  # noqa: E402
-from relserve.models.deberta import DebertaConfig  # noqa: E402
-from relserve.models.deberta import DebertaForQuestionAnswering, DebertaForSequenceClassification  # noqa: E402
-from relserve.service.backends import TASK_CLASSIFICATION, TASK_QA  # noqa: E402
-from relserve.service.backends.torch_backend import TorchBackend  # noqa: E402
+from fixtures.deberta import make_deberta_checkpoint  # noqa: E402
+from relserve.service.backends.base import TASK_CLASSIFICATION, TASK_QA  # noqa: E402
+from relserve.service.backends.torch_encoder import TorchBackend  # noqa: E402
 from relserve.service.config import ConfigError, ModelConfig  # noqa: E402
 from relserve.service.runner import ModelRunner  # noqa: E402
-
-
-def _tiny(vocab_size: int, qa: bool = False) -> DebertaConfig:
-    labels = {} if qa else dict(num_labels=3, id2label={"0": "a", "1": "b", "2": "c"},
-                                label2id={"a": 0, "b": 1, "c": 2})
-    return DebertaConfig.from_dict(dict(
-        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=512, relative_attention=True, position_buckets=64,
-        pos_att_type=["p2c", "c2p"], position_biased_input=False, norm_rel_ebd="layer_norm",
-        share_att_key=True, type_vocab_size=0, pad_token_id=0, **labels,
-    ))
 
 
 @pytest.fixture(scope="module")
 def checkpoints(unigram_tokenizer_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    vocab = 8000
-    try:
-        import json
-
-        vocab = len(json.loads((unigram_tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
-    except Exception:
-        pass
-    torch.manual_seed(0)
-    cls_dir = save_checkpoint(DebertaForSequenceClassification(_tiny(vocab)), _tiny(vocab), root / "cls",
-                              tokenizer_dir=unigram_tokenizer_dir)
-    qa_dir = save_checkpoint(DebertaForQuestionAnswering(_tiny(vocab, qa=True)), _tiny(vocab, qa=True), root / "qa",
-                             tokenizer_dir=unigram_tokenizer_dir)
+    cls_dir = make_deberta_checkpoint(root / "cls", tokenizer_dir=unigram_tokenizer_dir, labels=("a", "b", "c")).path
+    qa_dir = make_deberta_checkpoint(root / "qa", task="question-answering", tokenizer_dir=unigram_tokenizer_dir).path
     return cls_dir, qa_dir
 
 
@@ -115,9 +92,7 @@ def test_tokenizer_larger_than_the_embedding_table_is_refused(unigram_tokenizer_
     from relserve.models.checkpoint import CheckpointError, load_checkpoint
 
     vocab = len(json.loads((unigram_tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
-    small = _tiny(vocab - 10)
-    ckpt = save_checkpoint(DebertaForSequenceClassification(small), small, tmp_path / "ckpt",
-                           tokenizer_dir=unigram_tokenizer_dir)
+    ckpt = make_deberta_checkpoint(tmp_path / "ckpt", tokenizer_dir=unigram_tokenizer_dir, vocab_size=vocab - 10).path
     with pytest.raises(CheckpointError, match=rf"tokenizer has {vocab} tokens but the model's vocab_size is {vocab - 10}"):
         load_checkpoint(ckpt)
     assert load_checkpoint(ckpt, load_tokenizer=False).config.vocab_size == vocab - 10

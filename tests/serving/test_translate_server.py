@@ -1,27 +1,28 @@
 """Translation through a real grpc.aio server on a free loopback port, with real (tiny, random) RNNsearch
 checkpoints loaded by ``build_runner`` from their directories: unary and streaming, n-best and alignments,
 C09 and C10, batch invariance (short and long sources mixed in one request and across concurrent
-requests vs solo), status codes, deadline/cancel leaving nothing behind, metrics, config wiring."""
+requests vs solo), status codes, deadline/cancel leaving nothing behind, metrics, backend=onnx giving torch's
+answers, runner wiring from the config."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import math
 import time
 import urllib.request
-from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 
 from fixtures.fake_serving import runner as fake_runner
 from fixtures.fake_serving import server_config
 from fixtures.server import Running
 from fixtures.translation import REPO, make_tiny_checkpoint, sentence_pairs
+from relserve.models.checkpoint import checkpoint_hash
 from relserve.service._proto import inference_pb2 as pb
-from relserve.service.config import ConfigError, ModelConfig, load_config
-from relserve.service.runner import build_runner
+from relserve.service.config import ModelConfig, load_config
+from relserve.service.registry import build_runner
 from relserve.service.translation import TranslationRunner
 
 TEN_WORDS = "Der alte Mann ging gestern Abend mit seinem Hund spazieren."
@@ -74,7 +75,7 @@ def nothing_left(srv, name="tr"):
     r = srv.server.registry.runners[name]
     end = time.monotonic() + 5
     while time.monotonic() < end:
-        if not r.loop.queue_depth and not r.loop.active_sequences and not r.backend._beams:
+        if not r.loop.queue_depth and not r.loop.active_sequences and not r.backend.stepper.beams:
             return True
         time.sleep(0.01)
     return False
@@ -235,34 +236,101 @@ def test_deadline_and_cancel_leave_nothing_behind(srv):
     assert translate(srv, ["Guten Morgen"])[0].hypotheses
 
 
-def test_metrics(srv):
-    translate(srv, ["Guten Morgen"])
+def _scrape(srv) -> tuple[str, dict[tuple[str, str], float]]:
+    """/metrics text and its samples of model "tr" by (sample name, sorted other labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=5).read().decode()
-    for name in ["relserve_decode_steps_total", "relserve_generated_tokens_total", "relserve_active_hypotheses",
-                 "relserve_decode_step_hypotheses_bucket"]:
-        assert f'{name}{{model="tr"' in text or f"{name}{{" in text, name
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.labels.get("model") == "tr":
+                rest = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model")
+                samples[(s.name, rest)] = s.value
+    return text, samples
+
+
+def test_metrics(srv):
+    loop = srv.server.registry.runners["tr"].loop
+    _, before = _scrape(srv)
+    steps_before = loop.steps
+    translate(srv, ["Guten Morgen"], beam_size=3)
+    text, after = _scrape(srv)
+
+    def delta(name: str) -> float:
+        return after.get((name, ""), 0.0) - before.get((name, ""), 0.0)
+
+    # the decode metrics of model "tr" moved with what its loop did: one step sample per decoder step, one
+    # generated token per live hypothesis per step (<= beam size), nothing left live afterwards
+    steps = delta("relserve_decode_steps_total")
+    assert steps == loop.steps - steps_before >= 1, (steps, loop.steps - steps_before)
+    assert delta("relserve_decode_step_hypotheses_count") == steps
+    tokens = delta("relserve_generated_tokens_total")
+    assert delta("relserve_decode_step_hypotheses_sum") == tokens and steps <= tokens <= 3 * steps
+    assert after[("relserve_active_hypotheses", "")] == 0
     assert 'relserve_requests_total{code="OK",model="tr",task="translation"}' in text
     assert 'relserve_queue_duration_seconds_count{model="tr"}' in text
     assert 'relserve_inference_duration_seconds_count{backend="torch",model="tr"}' in text
     assert 'relserve_model_info{backend="torch",device="cpu",dtype="float32",family="rnnsearch-bigru"' in text
 
 
-# ---------------------------------------------------------------------- config wiring
+# ---------------------------------------------------------------------- backend=onnx (ONNX Runtime) vs torch
 
-def test_model_flag_and_default_translation_models(tmp_path, checkpoints):
+
+@pytest.fixture(scope="module")
+def onnx_srv(checkpoints, tmp_path_factory):
+    pytest.importorskip("onnxruntime")
+    cache_dir = tmp_path_factory.mktemp("onnx-translation-cache")
+    common = dict(device="cpu", max_source_tokens=120, max_queue_delay=0.002)
+    runners = [build_runner(ModelConfig(name=f"{kind}-{backend}", path=checkpoints[kind], backend=backend,
+                                        onnx_cache_dir=cache_dir, **common))
+               for kind in ("bigru", "deberta") for backend in ("torch", "onnx")]
+    s = Running(server_config(), runners)
+    s.wait_serving(timeout=150)
+    yield s, cache_dir
+    s.close()
+
+
+def test_server_lists_the_provider_and_exports_into_the_cache(onnx_srv, checkpoints):
+    srv, cache_dir = onnx_srv
+    models = {m.name: m for m in srv.stub.ListModels(pb.ListModelsRequest()).models}
+    assert models["bigru-onnx"].backend == "onnxruntime" and models["bigru-onnx"].device == "CPUExecutionProvider"
+    assert models["bigru-torch"].backend == "torch" and models["bigru-onnx"].task == "translation"
+    for kind in ("bigru", "deberta"):
+        d = cache_dir / checkpoint_hash(checkpoints[kind])
+        assert (d / "encoder.onnx").is_file() and (d / "decoder_step.onnx").is_file()
+
+
+@pytest.mark.parametrize("kind", ["bigru", "deberta"])
+def test_translate_equal_on_both_backends(onnx_srv, kind):
+    srv, _ = onnx_srv
+    texts = ["Guten Morgen.", TEN_WORDS, "Ja", "Wie geht es dir?"]
+    for beam in (1, 4):
+        kw = dict(texts=texts, beam_size=beam, n_best=min(beam, 2), max_length=20, return_alignment=True)
+        a = srv.stub.Translate(pb.TranslateRequest(model=f"{kind}-torch", **kw), timeout=60).results
+        b = srv.stub.Translate(pb.TranslateRequest(model=f"{kind}-onnx", **kw), timeout=60).results
+        assert len(a) == len(b) == len(texts)
+        for x, y in zip(a, b):
+            assert [list(h.token_ids) for h in x.hypotheses] == [list(h.token_ids) for h in y.hypotheses]
+            assert [h.text for h in x.hypotheses] == [h.text for h in y.hypotheses]
+            np.testing.assert_allclose([h.score for h in x.hypotheses], [h.score for h in y.hypotheses], atol=1e-4)
+
+
+def test_stream_on_onnx_backend(onnx_srv):
+    srv, _ = onnx_srv
+    req = pb.TranslateRequest(model="bigru-onnx", texts=["Das Wetter ist heute schön."], beam_size=3, max_length=12)
+    unary = srv.stub.Translate(req, timeout=60).results[0]
+    msgs = list(srv.stub.TranslateStream(req, timeout=60))
+    assert msgs[-1].final and [h.text for h in msgs[-1].result.hypotheses] == [h.text for h in unary.hypotheses]
+
+
+# ---------------------------------------------------------------------- runner wiring
+
+def test_model_flag_builds_a_translation_runner(checkpoints):
+    """An RNNsearch directory given with --model is served by the translation runner (config keys:
+    tests/unit/test_config.py)."""
     cfg = load_config(model_specs=[f"de-en={checkpoints['bigru']},scheduling=request,max_active_hypotheses=64"])
-    m = cfg.model("de-en")
-    assert (m.scheduling, m.max_active_hypotheses, m.beam_size, m.max_source_tokens) == ("request", 64, 5, 256)
-    assert isinstance(build_runner(m), TranslationRunner)
-    for sub in ("sentiment", "qa", "translate-de-en"):
-        (tmp_path / sub).mkdir()
-    (tmp_path / "translate-de-en" / "config.json").write_text(json.dumps({"model_type": "rnnsearch"}))
-    (tmp_path / "translate-de-en-deberta").mkdir()  # no config.json yet (still being produced): skipped
-    assert [m.name for m in load_config(defaults_dir=tmp_path).models] == ["sentiment", "qa", "translate-de-en"]
-    for spec, fragment in [("scheduling=sometimes", "scheduling 'sometimes'"), ("beam_size=17", "beam_size"),
-                           ("max_active_hypotheses=0", "max_active_hypotheses")]:
-        with pytest.raises(ConfigError, match=fragment):
-            load_config(model_specs=[f"x={checkpoints['bigru']},{spec}"])
+    assert isinstance(build_runner(cfg.model("de-en")), TranslationRunner)
 
 
 # ---------------------------------------------------------------------- the real default, when present

@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from conftest import qa_rows
+from fixtures.data import qa_rows
+from relserve.models import qa_spans
 from relserve.models.tokenization import load_tokenizer
 from relserve.service.errors import InvalidArgument
 from relserve.service.tasks import classify, qa
@@ -56,8 +57,8 @@ def _brute_force_best(windows, starts, ends, context, max_answer_len):
                 oj = w.context_offsets[j]
                 if oi is None or oj is None:
                     continue
-                si, ei = qa.trim_span(context, *oi)
-                sj, ej = qa.trim_span(context, *oj)
+                si, ei = qa_spans.trim_span(context, *oi)
+                sj, ej = qa_spans.trim_span(context, *oj)
                 if si == ei or sj == ej:  # whitespace-only tokens neither start nor end a span
                     continue
                 if s[i] + e[j] > best[0]:
@@ -82,16 +83,16 @@ def test_classify_postprocess_softmax_sigmoid_top_k():
     assert multi == [("pos", pytest.approx(1 / (1 + math.exp(-3)))), ("neutral", pytest.approx(1 / (1 + math.exp(-2))))]
     assert classify.postprocess(np.array([0.0, 0.0]), None, None, 0)[0][0] == "LABEL_0"
     with pytest.raises(InvalidArgument, match="top_k"):
-        classify.postprocess(logits, id2label, None, -1)
+        classify.validate_classify(["x"], None, -1, 3, "m")
 
 
 def test_classify_preprocess_validation(tok):
     with pytest.raises(InvalidArgument, match="texts is empty"):
-        classify.preprocess(tok, [], None, 128)
+        classify.validate_classify([], None, 0, 3, "m")
     with pytest.raises(InvalidArgument, match=r"texts\[1\] is empty or only whitespace"):
-        classify.preprocess(tok, ["ok", " \n "], None, 128)
+        classify.validate_classify(["ok", " \n "], None, 0, 3, "m")
     with pytest.raises(InvalidArgument, match="one pair per text"):
-        classify.preprocess(tok, ["a", "b"], ["c"], 128)
+        classify.validate_classify(["a", "b"], ["c"], 0, 3, "m")
     encs = classify.preprocess(tok, ["some text", "some longer text"], ["x", "y"], 128)
     assert [e.token_type_ids[-1] for e in encs] == [1, 1]
 
@@ -117,7 +118,8 @@ def test_case_C08_classify_truncates_600_tokens(spm_tokenizer_dir):
 def test_qa_validation():
     for q, c, what in (("", "ctx", "question"), ("q", " \t", "context"), ("  ", "ctx", "question")):
         with pytest.raises(InvalidArgument, match=f"{what} is empty or only whitespace"):
-            qa.validate_question_context(q, c)
+            qa.validate_answer(q, c, top_k=0, max_answer_len=0, doc_stride=0, allow_impossible=False,
+                               null_threshold=None, max_seq_len=64, default_max_answer_len=30, default_doc_stride=16)
     with pytest.raises(InvalidArgument, match="max_answer_len"):
         qa.validate_options(1, 0, 0.0)
     with pytest.raises(InvalidArgument, match="top_k"):
@@ -193,8 +195,8 @@ def test_case_C06_start_before_end_and_length_bound(tok):
     (ans,) = qa.best_answers(windows, s, e, context, max_answer_len=30)
     best, span = _brute_force_best(windows, s, e, context, 30)
     assert (ans.start, ans.end) == span
-    assert (ans.start, ans.end) == (qa.trim_span(context, *w.context_offsets[ctx[2]])[0],
-                                    qa.trim_span(context, *w.context_offsets[ctx[3]])[1])
+    assert (ans.start, ans.end) == (qa_spans.trim_span(context, *w.context_offsets[ctx[2]])[0],
+                                    qa_spans.trim_span(context, *w.context_offsets[ctx[3]])[1])
     # length bound in tokens: end - start + 1 <= max_answer_len
     s, e = _logits(windows, start=(0, ctx[1]), end=(0, ctx[9]))
     for L in (1, 2, 4, 9, 30):
@@ -247,7 +249,7 @@ def test_top_k_distinct_spans_across_windows(tok):
 def test_multilingual_gold_answers_round_trip(tok, sample):
     """Logits at the tokens covering a gold answer give back that answer (or a span just around it)."""
     exact = total = 0
-    for row in qa_rows(sample):
+    for row in qa_rows(sample, answers=True):
         ctx = row["context"]
         ans = row["answers"][0]
         a0, a1 = ans["answer_start"], ans["answer_start"] + len(ans["text"])

@@ -1,4 +1,4 @@
-// Native CPU kernels for two of the com.relserve custom ops (see relserve/models/onnx_ops.py for their contract):
+// Native CPU kernels for two of the com.relserve custom ops (see relserve/models/onnx/ops.py for their contract):
 // LogBucketRelativePosition and RelativePositionBias (T5). DisentangledAttentionBias has no kernel here: a
 // session with this library registered runs that op's model-local portable function, as stock ORT does.
 //

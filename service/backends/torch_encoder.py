@@ -1,7 +1,5 @@
-"""PyTorch backend: a checkpoint from ``relserve.models.checkpoint`` run eagerly under inference_mode.
-
-The only service module that imports torch.
-"""
+"""PyTorch encoder backend: a classification / QA checkpoint from ``relserve.models.checkpoint`` run eagerly
+under inference_mode (the :class:`relserve.service.backends.base.Backend` contract)."""
 
 from __future__ import annotations
 
@@ -11,38 +9,19 @@ from typing import Any, Sequence
 
 import torch
 
+from relserve.models.checkpoint import load_checkpoint
+
 from ..config import ModelConfig, check_dtype_for_device
 from ..errors import ConfigError
-from . import TASK_CLASSIFICATION, TASK_QA, ModelMeta
-from .padding import pad_batch
+from .base import TASK_CLASSIFICATION, TASK_QA, ModelMeta
+from .padding import WarmupEncoding, pad_batch
+from .torch_device import DTYPES, cuda_memory_stats, release_cuda_cache, resolve_device
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(model: str, device: str) -> str:
-    """``auto`` -> ``cuda:0`` when CUDA is available, else ``cpu``; ``cuda`` -> ``cuda:0``.
-
-    Raises:
-        ConfigError: CUDA requested but not available (or the index is out of range).
-    """
-    if device == "auto":
-        return "cuda:0" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError(f"model {model!r}: device {device!r} requested but CUDA is not available")
-        index = int(device.split(":", 1)[1]) if ":" in device else 0
-        if index >= torch.cuda.device_count():
-            raise ConfigError(
-                f"model {model!r}: device {device!r} does not exist ({torch.cuda.device_count()} CUDA devices)"
-            )
-        return f"cuda:{index}"
-    return device
-
 
 class TorchBackend:
-    """Backend over ``load_checkpoint``; see :mod:`relserve.service.backends` for the contract."""
+    """Encoder backend over ``load_checkpoint``; the contract is :class:`relserve.service.backends.base.Backend`."""
 
     name = "torch"
     is_padded = True
@@ -51,7 +30,7 @@ class TorchBackend:
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
         self.device = "cpu"
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = DTYPES[config.dtype]
         self.model: Any = None
         self.meta: ModelMeta | None = None
         self.max_seq_len = 0
@@ -62,8 +41,6 @@ class TorchBackend:
     # -------------------------------------------------------------- contract
 
     def load(self) -> ModelMeta:
-        from relserve.models.checkpoint import load_checkpoint
-
         self.device = resolve_device(self.config.name, self.config.device)
         check_dtype_for_device(self.config.name, self.config.dtype, self.device)
         ckpt = load_checkpoint(self.config.path, device=self.device, dtype=self.dtype)
@@ -105,8 +82,8 @@ class TorchBackend:
         tok = self.meta.tokenizer
         cls_id = int(getattr(tok, "cls_token_id", 1) or 1)
         sep_id = int(getattr(tok, "sep_token_id", 2) or 2)
-        short = _Item([cls_id, 5, 6, 7, sep_id])
-        full = _Item([cls_id] + [5] * (self.max_seq_len - 2) + [sep_id])
+        short = WarmupEncoding([cls_id, 5, 6, 7, sep_id])
+        full = WarmupEncoding([cls_id] + [5] * (self.max_seq_len - 2) + [sep_id])
         n = max(1, min(2, self.config.max_batch_size, self.config.max_batch_tokens // self.max_seq_len))
         for batch in ([short], [full] * n):
             for res in self.run(batch):
@@ -135,26 +112,8 @@ class TorchBackend:
             return [logits[i].copy() for i in range(len(batch))]
 
     def memory_stats(self) -> dict[str, tuple[int, int, int]]:
-        if not self.device.startswith("cuda"):
-            return {}
-        dev = torch.device(self.device)
-        return {
-            self.device: (
-                int(torch.cuda.memory_allocated(dev)),
-                int(torch.cuda.memory_reserved(dev)),
-                int(torch.cuda.max_memory_allocated(dev)),
-            )
-        }
+        return cuda_memory_stats(self.device)
 
     def close(self) -> None:
         self.model = None
-        if self.device.startswith("cuda"):
-            torch.cuda.empty_cache()
-
-
-class _Item:
-    """A synthetic encoding for warm-up."""
-
-    def __init__(self, ids: list[int]) -> None:
-        self.input_ids = ids
-        self.token_type_ids = [0] * len(ids)
+        release_cuda_cache(self.device)

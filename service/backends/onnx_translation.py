@@ -1,11 +1,13 @@
 """ONNX Runtime step backend for RNNsearch translation checkpoints (``backend: onnx``).
 
-The same step contract and beam bookkeeping as :class:`TorchTranslationBackend`; only the model differs: an
-:class:`relserve.models.onnx.runtime.OrtRNNSearch` over ``encoder.onnx`` + ``decoder_step.onnx``, found or
-exported on first load by the rules of :mod:`.onnx_backend` (checkpoint dir, its ``onnx/`` folder, else the
-export cache keyed by checkpoint hash). At load, the graphs and the torch checkpoint encode the warm-up
-sources and take one decoder step; a difference above ``onnx_parity_tolerance`` refuses the model
-(:class:`GraphMismatch`). The provider in use is ``ModelMeta.device``.
+Follows :class:`relserve.service.backends.base.StepBackend`: the model is an
+:class:`relserve.models.onnx.runtime.OrtRNNSearch` over ``encoder.onnx`` + ``decoder_step.onnx``, found,
+checked or exported on first load by :mod:`.graph_cache` (checkpoint dir, its ``onnx/`` folder, else the
+export cache keyed by checkpoint hash); the beams over it are kept by its own
+:class:`.translation_steps.BeamStepper`, exactly as the torch backend keeps its. At load, the graphs and the
+torch checkpoint encode the warm-up sources and take one decoder step; a difference above
+``onnx_parity_tolerance`` refuses the model (:class:`GraphMismatch`). The provider in use is
+``ModelMeta.device``.
 """
 
 from __future__ import annotations
@@ -13,40 +15,58 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import torch
 
+from relserve.models.checkpoint import load_translation_checkpoint
+from relserve.models.onnx.export_rnnsearch import export_translation_checkpoint
+from relserve.models.onnx.runtime import DECODER_GRAPH, ENCODER_GRAPH, OrtRNNSearch, step_api_diff
+from relserve.models.rnnsearch import encoder_kind
+
+from ..config import ModelConfig
 from ..errors import ConfigError
-from . import TASK_TRANSLATION, ModelMeta
-from .onnx_backend import (GraphMismatch, check_graph_origin, load_graphs, open_with_native_fallback, provider_device,
-                           select_providers)
-from .translation_torch import TorchTranslationBackend
+from .base import TASK_TRANSLATION, ModelMeta, SeqUpdate, StartItem, StepPlan
+from .graph_cache import GraphMismatch, check_graph_origin, load_graphs
+from .onnx_session import open_with_native_fallback, provider_device, select_providers
+from .torch_device import cuda_memory_stats, release_cuda_cache
+from .translation_steps import BeamStepper
 
 log = logging.getLogger(__name__)
 
+Loader = Callable[..., tuple[Any, Any, Any]]
 
-class OnnxTranslationBackend(TorchTranslationBackend):
+
+class OnnxTranslationBackend:
+    """Translation backend over the exported encoder and decoder-step graphs of an RNNsearch checkpoint.
+
+    ``loader`` (a test seam) loads the torch checkpoint the graphs are checked against (and exported from).
+    """
+
     name = "onnxruntime"
 
-    def __init__(self, config, loader=None) -> None:
-        super().__init__(config, loader)
+    def __init__(self, config: ModelConfig, loader: Loader | None = None) -> None:
+        self.config = config
+        self._loader = loader or load_translation_checkpoint
+        self.device = "cpu"
+        self.model: Any = None
+        self.model_config: Any = None
+        self.tokenizer: Any = None
+        self.meta: ModelMeta | None = None
+        self.stepper: BeamStepper | None = None
         self.graph_dir: Path | None = None
         self._device_label = "CPUExecutionProvider"
         self.parity_diff: float | None = None
 
-    def load(self) -> ModelMeta:
-        from relserve.models.onnx.export_rnnsearch import export_translation_checkpoint
-        from relserve.models.onnx.runtime import DECODER_GRAPH, ENCODER_GRAPH
-        from relserve.models.onnx.runtime import OrtRNNSearch
-        from relserve.models.checkpoint import load_translation_checkpoint
-        from relserve.models.rnnsearch import encoder_kind
+    # -------------------------------------------------------------- lifecycle
 
+    def load(self) -> ModelMeta:
         name = self.config.name
         if self.config.dtype != "float32":
             raise ConfigError(f"model {name!r}: the onnx backend runs float32 graphs only, got dtype "
                               f"{self.config.dtype}; use backend torch for half precision")
         providers = select_providers(self.config)
-        loaded = (self._loader or load_translation_checkpoint)(self.config.path, device="cpu", dtype=torch.float32)
+        loaded = self._loader(self.config.path, device="cpu", dtype=torch.float32)
         reference, model_config, tokenizer = loaded
 
         def export(tmp: Path) -> None:
@@ -63,6 +83,7 @@ class OnnxTranslationBackend(TorchTranslationBackend):
             self.device, self._device_label = provider_device(providers, model.providers[0])
             model.device = torch.device(self.device)  # where the session really runs (ORT may fall back to CPU)
             self.model, self.model_config, self.tokenizer = model, model_config, tokenizer
+            self.stepper = BeamStepper(name, model, self.device)
             self._self_check(reference.eval())
             return lib
 
@@ -82,8 +103,6 @@ class OnnxTranslationBackend(TorchTranslationBackend):
         """Encoder outputs and one decoder step vs torch: a short source and one that strides through the
         whole source vocabulary; hypotheses whose previous tokens stride through the target vocabulary (so
         the check reads embedding rows everywhere, not just a few)."""
-        from relserve.models.onnx.runtime import step_api_diff
-
         cfg = self.model_config
         v, eos, pad = int(cfg.src_vocab_size), int(cfg.eos_token_id), int(cfg.pad_token_id)
         width = 64
@@ -103,3 +122,34 @@ class OnnxTranslationBackend(TorchTranslationBackend):
                 f"model {self.config.name!r}: ONNX graphs in {self.graph_dir} differ from the torch checkpoint "
                 f"{self.config.path} by {worst:.3g} on the warm-up sources (tolerance "
                 f"{self.config.onnx_parity_tolerance}); refusing to serve them")
+
+    def warmup(self) -> None:
+        """Encode two short sources and decode them a few steps with a beam of 2."""
+        self._stepper().warmup()
+
+    def memory_stats(self) -> dict[str, tuple[int, int, int]]:
+        return cuda_memory_stats(self.device)  # torch's IO-bound tensors; ORT's own arena is not observable
+
+    def close(self) -> None:
+        if self.stepper is not None:
+            self.stepper.clear()
+        self.stepper = None
+        self.model = None
+        release_cuda_cache(self.device)
+
+    # -------------------------------------------------------------- step contract
+
+    def _stepper(self) -> BeamStepper:
+        if self.stepper is None:
+            raise RuntimeError(f"model {self.config.name!r}: translation backend used before load()")
+        return self.stepper
+
+    def start(self, items: Sequence[StartItem]) -> list[int | Exception]:
+        return self._stepper().start(items)
+
+    def step(self, plan: StepPlan) -> list[SeqUpdate | Exception]:
+        return self._stepper().step(plan)
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        if self.stepper is not None:
+            self.stepper.release(seq_ids)

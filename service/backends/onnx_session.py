@@ -1,0 +1,74 @@
+"""Opening ONNX Runtime sessions for a served model, shared by both ONNX backends: the providers for the
+model's ``device``, the provider a session really got, and the native custom-op library with its fallback.
+
+Providers: CUDA first when the model's device allows it (``auto`` / ``cuda[:N]``) and both ONNX Runtime and
+torch see a CUDA device, else CPU. What the session really got is what ``ModelMeta.device`` says (e.g.
+``CPUExecutionProvider``, ``CUDAExecutionProvider:0``), so ListModels and ``relserve_model_info`` show it.
+Custom ops run as the graph's portable functions, or as native kernels when the library built by
+``make onnx-native`` exists (``models/onnx/native/build/librelserve_onnx_ops.so``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import onnxruntime as ort
+import torch
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+NATIVE_LIBRARY = Path(__file__).resolve().parents[2] / "models" / "onnx" / "native" / "build" / "librelserve_onnx_ops.so"
+
+
+def native_library() -> str | None:
+    """The native custom-op library when it has been built (``make onnx-native``), else None."""
+    return os.fspath(NATIVE_LIBRARY) if NATIVE_LIBRARY.is_file() else None
+
+
+def select_providers(config: ModelConfig) -> list:
+    """ONNX Runtime providers for a model's ``device``: CUDA first when allowed and usable, else CPU.
+
+    Raises:
+        ConfigError: ``cuda[:N]`` was asked for but ONNX Runtime or torch sees no CUDA device.
+    """
+    want = config.device
+    if want == "cpu":
+        return ["CPUExecutionProvider"]
+    cuda = "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
+    if want.startswith("cuda") and not cuda:
+        why = ("torch sees no CUDA device (torch.cuda.is_available() is False)"
+               if "CUDAExecutionProvider" in ort.get_available_providers()
+               else f"this ONNX Runtime has no CUDAExecutionProvider (it has {ort.get_available_providers()})")
+        raise ConfigError(f"model {config.name!r}: device {want!r} requested but {why}")
+    if not cuda:
+        return ["CPUExecutionProvider"]
+    index = int(want.split(":", 1)[1]) if ":" in want else 0
+    return [("CUDAExecutionProvider", {"device_id": index}), "CPUExecutionProvider"]
+
+
+def provider_device(providers: list, provider: str) -> tuple[str, str]:
+    """(torch device for tensors, the label ListModels shows) of the provider a session really got."""
+    if provider == "CUDAExecutionProvider":
+        index = str(providers[0][1]["device_id"])
+        return "cuda:" + index, f"{provider}:{index}"
+    return "cpu", provider
+
+
+def open_with_native_fallback(name: str, open_fn: Callable[[str | None], Any]) -> tuple[Any, str | None]:
+    """``open_fn(native_library())``; when the native library is present but fails to load, log it and open
+    with the portable functions instead. Returns (what ``open_fn`` returned, the library used or None)."""
+    lib = native_library()
+    try:
+        return open_fn(lib), lib
+    except Exception as exc:
+        if lib is None:
+            raise
+        log.warning("model %r: native custom-op library %s not usable (%s); using the portable functions",
+                    name, lib, exc)
+        return open_fn(None), None

@@ -1,0 +1,71 @@
+"""The runners of one server: built from the config (:func:`build_runner`) and looked up by name and task
+(:class:`ModelRegistry`, which also answers for a draining server).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .backends import checkpoint_task, create_backend, create_translation_backend
+from .backends.base import TASK_CLASSIFICATION, TASK_QA, TASK_TRANSLATION
+from .config import ModelConfig
+from .errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from .runner import ModelRunner, Runner
+from .translation import TranslationRunner
+
+
+class ModelRegistry:
+    """The runners of one server, looked up by name; knows whether the server is draining."""
+
+    def __init__(self, runners: Sequence[Runner]) -> None:
+        self.runners: dict[str, Runner] = {}
+        for r in runners:
+            if r.name in self.runners:
+                raise ValueError(f"model name {r.name!r} appears twice")
+            self.runners[r.name] = r
+        self.draining = False
+
+    def names(self) -> list[str]:
+        return sorted(self.runners)
+
+    def get(self, name: str, task: str) -> Runner:
+        """The runner for ``name`` that can do ``task``.
+
+        Raises:
+            Unavailable: draining, or the model is not loaded and warmed up yet.
+            InvalidArgument: empty model name.
+            NotFound: unknown model (lists the loaded ones).
+            FailedPrecondition: the model does another task (names it).
+        """
+        if self.draining:
+            raise Unavailable("server is shutting down and no longer accepts requests; retry on another replica")
+        if not name:
+            raise InvalidArgument(f"model is empty; set it to one of {self.names()}")
+        runner = self.runners.get(name)
+        if runner is None:
+            raise NotFound(f"model {name!r} is not loaded; loaded models: {self.names()}")
+        if not runner.ready:
+            raise Unavailable(f"model {name!r} is not ready yet (state: {runner.state}); retry later")
+        if runner.task != task:
+            rpc = {TASK_CLASSIFICATION: "Classify", TASK_QA: "Answer"}.get(runner.task or "", "Translate")
+            raise FailedPrecondition(
+                f"model {name!r} is a {runner.task} model and cannot serve {task}; use {rpc} instead"
+            )
+        return runner
+
+    @property
+    def all_ready(self) -> bool:
+        return bool(self.runners) and all(r.ready for r in self.runners.values())
+
+
+def build_runner(config: ModelConfig) -> Runner:
+    """A runner with the backend named in the config (imports torch for the torch backends): a
+    :class:`TranslationRunner` for RNNsearch directories (config.json model_type "rnnsearch"), else a
+    :class:`ModelRunner`.
+
+    Raises:
+        ConfigError: the config names a backend that cannot serve the model.
+    """
+    if checkpoint_task(config.path) == TASK_TRANSLATION:
+        return TranslationRunner(config, create_translation_backend(config))
+    return ModelRunner(config, create_backend(config))

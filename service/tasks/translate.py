@@ -1,0 +1,97 @@
+"""Translation: the request's decoding options validated once, sources in, detokenized hypotheses out.
+
+Rules (documented in the proto):
+
+* ``beam_size`` 0 -> the model's configured default; 1..16. ``n_best`` 0 -> 1; 1..beam_size.
+* ``max_length`` 0 -> ``min(int(max_len_a * source_tokens + max_len_b), max_output_tokens)`` per text; an
+  explicit one must be <= ``max_output_tokens``. Counts the final EOS
+  (:meth:`relserve.models.decode_types.DecodeOptions.max_length_for`).
+* A source longer than ``max_source_tokens`` (pieces + EOS) is INVALID_ARGUMENT, naming the limit.
+* A blank text (empty, whitespace or zero-width characters only) is not sent to the model: one hypothesis
+  with text "" and score 0 (C10).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+from relserve.models.decode_types import DecodeOptions, Hypothesis
+from relserve.service.config import MAX_BEAM_SIZE, ModelConfig
+from relserve.service.errors import InvalidArgument
+from relserve.service.tasks.text import is_blank
+
+
+@dataclass
+class TranslationItem:
+    """One text's answer: its n-best list (best first) and what the encoder read."""
+
+    hypotheses: list[Hypothesis]
+    num_source_tokens: int  # pieces + EOS; 0 for a blank text
+    source_pieces: tuple[str, ...] = ()  # one per source token, when alignments were asked for
+
+
+def validate_translate(texts: Sequence[str], *, beam_size: int, n_best: int, max_length: int,
+                       return_alignment: bool, config: ModelConfig) -> DecodeOptions:
+    """Check a Translate / TranslateStream request and resolve its defaults from the model's config.
+
+    Returns:
+        The options every text of the request is decoded with (the length rule resolves per text).
+
+    Raises:
+        InvalidArgument: no texts, or a field out of range (naming the field, its value and the range).
+    """
+    c = config
+    if not texts:
+        raise InvalidArgument("texts is empty; send at least one text")
+    beam = beam_size or c.beam_size
+    if not 1 <= beam <= MAX_BEAM_SIZE:
+        raise InvalidArgument(
+            f"beam_size {beam_size} is out of range; allowed 1..{MAX_BEAM_SIZE} (0 = default {c.beam_size})"
+        )
+    nb = n_best or 1
+    if not 1 <= nb <= beam:
+        raise InvalidArgument(f"n_best {n_best} is out of range; allowed 1..beam_size ({beam}) (0 = 1)")
+    if not 0 <= max_length <= c.max_output_tokens:
+        raise InvalidArgument(
+            f"max_length {max_length} is out of range; allowed 1..max_output_tokens {c.max_output_tokens} of "
+            f"model {c.name!r} (0 = default min({c.max_len_a:g} x source tokens + {c.max_len_b}, "
+            f"{c.max_output_tokens}))"
+        )
+    return DecodeOptions(beam_size=beam, n_best=nb, length_penalty=c.length_penalty, max_len_a=c.max_len_a,
+                         max_len_b=c.max_len_b, max_len_cap=c.max_output_tokens, max_length=int(max_length),
+                         return_alignment=bool(return_alignment))
+
+
+def preprocess(tokenizer: Any, texts: Sequence[str], max_source_tokens: int, model: str) -> list[list[int] | None]:
+    """Source ids (pieces + EOS) per text; None for a blank text (never sent to the model).
+
+    Raises:
+        InvalidArgument: a text has more than ``max_source_tokens`` source tokens (names the text and limit).
+    """
+    sources = [None if is_blank(t) else list(tokenizer.encode_source(t)) for t in texts]
+    for i, src in enumerate(sources):
+        if src is not None and len(src) > max_source_tokens:
+            raise InvalidArgument(
+                f"texts[{i}] has {len(src)} source tokens (pieces + EOS); model {model!r} has "
+                f"max_source_tokens {max_source_tokens}; split the text"
+            )
+    return sources
+
+
+def postprocess(tokenizer: Any, source: list[int] | None, hypotheses: Sequence[Hypothesis] | None,
+                options: DecodeOptions) -> TranslationItem:
+    """Detokenize one text's hypotheses (``text``, one target piece per token) and label its alignments.
+
+    ``source`` None (a blank text): one empty hypothesis with score 0 and, when alignments were asked for,
+    an empty alignment.
+    """
+    if source is None or hypotheses is None:
+        return TranslationItem([Hypothesis([], 0.0, 0.0, False, False, () if options.return_alignment else None)], 0)
+    out = []
+    for h in hypotheses:
+        alignment = h.alignment if options.return_alignment else None
+        out.append(replace(h, text=tokenizer.decode_target(h.output_tokens),
+                           pieces=tuple(tokenizer.target_pieces(h.tokens)), alignment=alignment))
+    pieces = tuple(tokenizer.source_pieces(source)) if options.return_alignment else ()
+    return TranslationItem(out, len(source), pieces)
