@@ -26,8 +26,9 @@ Scores: a softmax over the candidate set — the merged spans kept from all wind
 comparable within one answer list, not calibrated across requests.
 
 Inputs that cannot come from a working model (window and logit counts that disagree, too few or
-non-finite logits) raise ``ValueError``; option ranges (``top_k``, ``max_answer_len``) are the caller's
-to check.
+non-finite logits) and options out of range (``top_k`` or ``max_answer_len`` below 1, a NaN
+``null_threshold``) raise ``ValueError``; the server checks a request's options before any tokenizing
+(``relserve.service.tasks.qa.validate_answer``), so there this only guards direct callers.
 """
 
 from __future__ import annotations
@@ -185,8 +186,14 @@ def best_answers(
     When no context token can form a span the no-answer result is returned.
 
     Raises:
-        ValueError: as :func:`search_spans`.
+        ValueError: as :func:`search_spans`; ``top_k`` or ``max_answer_len`` below 1; a NaN ``null_threshold``.
     """
+    if top_k < 1:
+        raise ValueError(f"top_k={top_k} must be >= 1")
+    if max_answer_len < 1:
+        raise ValueError(f"max_answer_len={max_answer_len} must be >= 1 token")
+    if math.isnan(null_threshold):
+        raise ValueError("null_threshold must be a number, got NaN")
     found = search_spans(windows, start_logits, end_logits, context, max_answer_len, n_best)
     ranked, null_score = found.spans, found.null_score
     raw = [sc for sc, _, _ in ranked]

@@ -26,7 +26,9 @@ from .backends.base import TASK_QA, Backend, ModelMeta
 from .batcher import Batcher, BatchStats, Unit
 from .config import ModelConfig
 from .errors import ConfigError, Internal, InvalidArgument, Unavailable
-from .tasks import classify, qa
+from relserve.models import qa_spans
+
+from .tasks import classify
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +64,14 @@ class DefaultTaskProcessing:
 
     def qa_best_answers(self, windows, logits, context, *, top_k, max_answer_len, allow_impossible,
                         null_threshold):
-        return qa.best_answers(
-            windows, [s for s, _ in logits], [e for _, e in logits], context,
-            top_k=top_k, max_answer_len=max_answer_len, allow_impossible=allow_impossible,
-            null_threshold=null_threshold,
-        )
+        try:
+            return qa_spans.best_answers(
+                windows, [s for s, _ in logits], [e for _, e in logits], context,
+                top_k=top_k, max_answer_len=max_answer_len, allow_impossible=allow_impossible,
+                null_threshold=null_threshold,
+            )
+        except ValueError as e:  # logits that do not fit the windows: a model bug, not the client's
+            raise Internal(str(e)) from None
 
 
 @dataclass(frozen=True)

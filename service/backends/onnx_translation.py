@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
@@ -26,18 +26,17 @@ from relserve.models.rnnsearch import encoder_kind
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from .base import TASK_TRANSLATION, ModelMeta, SeqUpdate, StartItem, StepPlan
+from .base import TASK_TRANSLATION, ModelMeta
 from .graph_cache import GraphMismatch, check_graph_origin, load_graphs
 from .onnx_session import open_with_native_fallback, provider_device, select_providers
-from .torch_device import cuda_memory_stats, release_cuda_cache
-from .translation_steps import BeamStepper
+from .translation_steps import BeamStepper, SteppedBackend
 
 log = logging.getLogger(__name__)
 
 Loader = Callable[..., tuple[Any, Any, Any]]
 
 
-class OnnxTranslationBackend:
+class OnnxTranslationBackend(SteppedBackend):
     """Translation backend over the exported encoder and decoder-step graphs of an RNNsearch checkpoint.
 
     ``loader`` (a test seam) loads the torch checkpoint the graphs are checked against (and exported from).
@@ -122,34 +121,3 @@ class OnnxTranslationBackend:
                 f"model {self.config.name!r}: ONNX graphs in {self.graph_dir} differ from the torch checkpoint "
                 f"{self.config.path} by {worst:.3g} on the warm-up sources (tolerance "
                 f"{self.config.onnx_parity_tolerance}); refusing to serve them")
-
-    def warmup(self) -> None:
-        """Encode two short sources and decode them a few steps with a beam of 2."""
-        self._stepper().warmup()
-
-    def memory_stats(self) -> dict[str, tuple[int, int, int]]:
-        return cuda_memory_stats(self.device)  # torch's IO-bound tensors; ORT's own arena is not observable
-
-    def close(self) -> None:
-        if self.stepper is not None:
-            self.stepper.clear()
-        self.stepper = None
-        self.model = None
-        release_cuda_cache(self.device)
-
-    # -------------------------------------------------------------- step contract
-
-    def _stepper(self) -> BeamStepper:
-        if self.stepper is None:
-            raise RuntimeError(f"model {self.config.name!r}: translation backend used before load()")
-        return self.stepper
-
-    def start(self, items: Sequence[StartItem]) -> list[int | Exception]:
-        return self._stepper().start(items)
-
-    def step(self, plan: StepPlan) -> list[SeqUpdate | Exception]:
-        return self._stepper().step(plan)
-
-    def release(self, seq_ids: Sequence[int]) -> None:
-        if self.stepper is not None:
-            self.stepper.release(seq_ids)

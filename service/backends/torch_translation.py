@@ -11,21 +11,21 @@ it are kept by a :class:`.translation_steps.BeamStepper`.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from relserve.models.checkpoint import load_translation_checkpoint
 
 from ..config import ModelConfig, check_dtype_for_device
-from .base import TASK_TRANSLATION, ModelMeta, SeqUpdate, StartItem, StepPlan
-from .torch_device import DTYPES, cuda_memory_stats, release_cuda_cache, resolve_device
-from .translation_steps import BeamStepper
+from .base import TASK_TRANSLATION, ModelMeta
+from .torch_device import DTYPES, resolve_device
+from .translation_steps import BeamStepper, SteppedBackend
 
 log = logging.getLogger(__name__)
 
 Loader = Callable[..., tuple[Any, Any, Any]]
 
 
-class TorchTranslationBackend:
+class TorchTranslationBackend(SteppedBackend):
     """Translation backend over an eager RNNsearch checkpoint (any encoder: BiGRU or DeBERTa-style)."""
 
     name = "torch"
@@ -59,34 +59,3 @@ class TorchTranslationBackend:
         log.info("model %r: loaded translation model %s (%s encoder) on %s as %s", self.config.name,
                  self.config.path, kind, self.device, self.config.dtype)
         return self.meta
-
-    def warmup(self) -> None:
-        """Encode two short sources and decode them a few steps with a beam of 2."""
-        self._stepper().warmup()
-
-    def memory_stats(self) -> dict[str, tuple[int, int, int]]:
-        return cuda_memory_stats(self.device)
-
-    def close(self) -> None:
-        if self.stepper is not None:
-            self.stepper.clear()
-        self.stepper = None
-        self.model = None
-        release_cuda_cache(self.device)
-
-    # -------------------------------------------------------------- step contract
-
-    def _stepper(self) -> BeamStepper:
-        if self.stepper is None:
-            raise RuntimeError(f"model {self.config.name!r}: translation backend used before load()")
-        return self.stepper
-
-    def start(self, items: Sequence[StartItem]) -> list[int | Exception]:
-        return self._stepper().start(items)
-
-    def step(self, plan: StepPlan) -> list[SeqUpdate | Exception]:
-        return self._stepper().step(plan)
-
-    def release(self, seq_ids: Sequence[int]) -> None:
-        if self.stepper is not None:
-            self.stepper.release(seq_ids)

@@ -25,6 +25,7 @@ from relserve.models.rnnsearch import EncoderState
 
 from ..errors import Internal
 from .base import SeqUpdate, StartItem, StepPlan
+from .torch_device import cuda_memory_stats, release_cuda_cache
 
 
 class BeamStepper:
@@ -165,3 +166,47 @@ def _plain(h: Hypothesis) -> Hypothesis:
     if h.alignment is None:
         return h
     return dataclasses.replace(h, alignment=h.alignment.float().cpu().numpy().astype(np.float32))
+
+
+class SteppedBackend:
+    """The step contract and lifecycle tail both translation backends share, over their :class:`BeamStepper`.
+
+    A backend sets ``config`` (its ``ModelConfig``), ``device``, ``model`` and, in ``load()``, ``stepper``;
+    this class adds ``warmup`` / ``memory_stats`` / ``close`` and ``start`` / ``step`` / ``release``
+    (:class:`relserve.service.backends.base.StepBackend`). Only loading differs between torch and ONNX Runtime.
+    """
+
+    config: Any
+    device: Any
+    model: Any
+    stepper: BeamStepper | None
+
+    def warmup(self) -> None:
+        """Encode two short sources and decode them a few steps with a beam of 2."""
+        self._stepper().warmup()
+
+    def memory_stats(self) -> dict[str, tuple[int, int, int]]:
+        # the tensors torch holds (ONNX Runtime binds them by pointer; its own arena is not observable)
+        return cuda_memory_stats(self.device)
+
+    def close(self) -> None:
+        if self.stepper is not None:
+            self.stepper.clear()
+        self.stepper = None
+        self.model = None
+        release_cuda_cache(self.device)
+
+    def _stepper(self) -> BeamStepper:
+        if self.stepper is None:
+            raise RuntimeError(f"model {self.config.name!r}: translation backend used before load()")
+        return self.stepper
+
+    def start(self, items: Sequence[StartItem]) -> list[int | Exception]:
+        return self._stepper().start(items)
+
+    def step(self, plan: StepPlan) -> list[SeqUpdate | Exception]:
+        return self._stepper().step(plan)
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        if self.stepper is not None:
+            self.stepper.release(seq_ids)

@@ -1,22 +1,16 @@
 """Extractive question answering: stride windows in, character-offset answer spans out.
 
-Span search, SQuAD 2.0 null score and answer scores: :mod:`relserve.models.qa_spans` (the one search,
-also used by the QA trainer's evaluation); this module checks the request's options first and reports a
-malformed model output as INTERNAL.
+The request is checked once, here (:func:`validate_answer`), before any tokenizing. Span search, SQuAD 2.0
+null score and answer scores are :mod:`relserve.models.qa_spans` (the one search, also used by the QA
+trainer's evaluation); the runner reports a model output it cannot search as INTERNAL.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
 
-import numpy as np
-
-from relserve.models import qa_spans
-from relserve.models.qa_spans import AnswerSpan
-from relserve.models.tokenization import QAWindow
-from relserve.service.errors import Internal, InvalidArgument
+from relserve.service.errors import InvalidArgument
 from relserve.service.tasks.text import is_blank
 
 
@@ -63,45 +57,3 @@ def validate_answer(question: object, context: object, *, top_k: int, max_answer
     if math.isnan(threshold):
         raise InvalidArgument("null_threshold is NaN; send a number (or +inf to always answer)")
     return AnswerOptions(k, length, stride, bool(allow_impossible), threshold)
-
-
-def validate_options(top_k: int, max_answer_len: int, null_threshold: float) -> None:
-    """The span search's own preconditions (:func:`best_answers` checks them for direct callers); a request's
-    options are checked once, by :func:`validate_answer`, before any tokenizing.
-
-    Raises:
-        InvalidArgument: ``top_k`` or ``max_answer_len`` below 1, or a NaN ``null_threshold``.
-    """
-    if top_k < 1:
-        raise InvalidArgument(f"top_k={top_k} must be >= 1")
-    if max_answer_len < 1:
-        raise InvalidArgument(f"max_answer_len={max_answer_len} must be >= 1 token")
-    if math.isnan(null_threshold):
-        raise InvalidArgument("null_threshold must be a number, got NaN")
-
-
-def best_answers(
-    windows: Sequence[QAWindow],
-    start_logits: Sequence[np.ndarray],
-    end_logits: Sequence[np.ndarray],
-    context: str,
-    top_k: int = 1,
-    max_answer_len: int = 30,
-    allow_impossible: bool = False,
-    null_threshold: float = 0.0,
-    n_best: int = 20,
-) -> list[AnswerSpan]:
-    """The ``top_k`` best answers for one (question, context): :func:`relserve.models.qa_spans.best_answers`.
-
-    Raises:
-        InvalidArgument: ``top_k`` or ``max_answer_len`` below 1, or a NaN ``null_threshold``.
-        Internal: the windows and logits do not fit together or a logit is not finite.
-    """
-    validate_options(top_k, max_answer_len, null_threshold)
-    try:
-        return qa_spans.best_answers(
-            windows, start_logits, end_logits, context, top_k=top_k, max_answer_len=max_answer_len,
-            allow_impossible=allow_impossible, null_threshold=null_threshold, n_best=n_best,
-        )
-    except ValueError as e:
-        raise Internal(str(e)) from None

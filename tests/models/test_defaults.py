@@ -170,7 +170,7 @@ def test_qa_parity_with_transformers(qa_ours, transformers_mod):
 def test_qa_answers_dev(qa_ours):
     rows = qa_rows("xquad_en_dev.jsonl", exact=True, answers=True)
     from relserve.models.training.qa import f1_score
-    from relserve.service.tasks.qa import best_answers
+    from relserve.models.qa_spans import best_answers
 
     tok = qa_ours.tokenizer
     f1 = 0.0

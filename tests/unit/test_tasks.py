@@ -109,7 +109,7 @@ def test_case_C08_classify_truncates_600_tokens(spm_tokenizer_dir):
     windows = tok.qa_windows("what?", text, 384, 128)
     assert len(windows) >= 2 and all(len(w) <= 384 for w in windows)
     s, e = _logits(windows, start=(1, 30), end=(1, 32))
-    _check_well_formed(qa.best_answers(windows, s, e, text, top_k=3), text)
+    _check_well_formed(qa_spans.best_answers(windows, s, e, text, top_k=3), text)
 
 
 # ---- QA ------------------------------------------------------------------------------------------
@@ -121,9 +121,12 @@ def test_qa_validation():
             qa.validate_answer(q, c, top_k=0, max_answer_len=0, doc_stride=0, allow_impossible=False,
                                null_threshold=None, max_seq_len=64, default_max_answer_len=30, default_doc_stride=16)
     with pytest.raises(InvalidArgument, match="max_answer_len"):
-        qa.validate_options(1, 0, 0.0)
-    with pytest.raises(InvalidArgument, match="top_k"):
-        qa.validate_options(0, 30, 0.0)
+        qa.validate_answer("q", "ctx", top_k=0, max_answer_len=100, doc_stride=0, allow_impossible=False,
+                           null_threshold=None, max_seq_len=64, default_max_answer_len=30, default_doc_stride=16)
+    for kwargs, what in (({"max_answer_len": 0}, "max_answer_len"), ({"top_k": 0}, "top_k"),
+                         ({"null_threshold": math.nan}, "null_threshold")):
+        with pytest.raises(ValueError, match=what):
+            qa_spans.best_answers([], [], [], "ctx", **kwargs)
 
 
 def test_case_C04_spans_only_from_context(tok):
@@ -135,7 +138,7 @@ def test_case_C04_spans_only_from_context(tok):
     s, e = _logits(windows)
     for i in q_tokens:
         s[0][i] = e[0][i] = 50.0
-    answers = qa.best_answers(windows, s, e, context, top_k=5)
+    answers = qa_spans.best_answers(windows, s, e, context, top_k=5)
     _check_well_formed(answers, context)
     assert all(not a.is_impossible for a in answers)
     # random logits, many seeds: always well-formed substrings of the context
@@ -143,7 +146,7 @@ def test_case_C04_spans_only_from_context(tok):
         s, e = _logits(windows, seed=seed)
         s = [x * 10 for x in s]
         e = [x * 10 for x in e]
-        _check_well_formed(qa.best_answers(windows, s, e, context, top_k=3, allow_impossible=True), context)
+        _check_well_formed(qa_spans.best_answers(windows, s, e, context, top_k=3, allow_impossible=True), context)
 
 
 def test_case_C05_no_answer(tok):
@@ -151,17 +154,17 @@ def test_case_C05_no_answer(tok):
     windows = tok.qa_windows(question, context, 64, 16)
     c0 = windows[0].token_type_ids.index(1)  # first context token
     s, e = _logits(windows, start=(0, c0), end=(0, c0 + 1), cls=(8.0, 8.0), high=3.0)
-    (ans,) = qa.best_answers(windows, s, e, context, allow_impossible=True, null_threshold=0.0)
+    (ans,) = qa_spans.best_answers(windows, s, e, context, allow_impossible=True, null_threshold=0.0)
     assert ans.is_impossible and (ans.text, ans.start, ans.end) == ("", 0, 0)
     # impossible not allowed, or threshold infinite: the best real span
     for kwargs in ({"allow_impossible": False}, {"allow_impossible": True, "null_threshold": math.inf}):
-        (ans,) = qa.best_answers(windows, s, e, context, **kwargs)
+        (ans,) = qa_spans.best_answers(windows, s, e, context, **kwargs)
         assert not ans.is_impossible and context.startswith(ans.text) and ans.text
     # threshold above the margin (16 - 6 = 10): real span
-    (ans,) = qa.best_answers(windows, s, e, context, allow_impossible=True, null_threshold=10.5)
+    (ans,) = qa_spans.best_answers(windows, s, e, context, allow_impossible=True, null_threshold=10.5)
     assert not ans.is_impossible
     # top_k with a no-answer: no-answer first, then real spans
-    answers = qa.best_answers(windows, s, e, context, top_k=3, allow_impossible=True)
+    answers = qa_spans.best_answers(windows, s, e, context, top_k=3, allow_impossible=True)
     assert answers[0].is_impossible and len(answers) == 3 and not answers[1].is_impossible
     _check_well_formed(answers, context)
 
@@ -175,12 +178,12 @@ def test_case_C05_null_score_is_min_over_windows(tok):
     s, e = _logits(windows, start=(1, c0), end=(1, c0 + 2), high=4.0)
     s[0][0] = e[0][0] = 20.0
     s[1][0] = e[1][0] = -5.0
-    (ans,) = qa.best_answers(windows, s, e, context, allow_impossible=True, null_threshold=0.0)
+    (ans,) = qa_spans.best_answers(windows, s, e, context, allow_impossible=True, null_threshold=0.0)
     assert not ans.is_impossible and ans.text
     # every window says no answer: impossible
     for x, y in zip(s, e):
         x[0] = y[0] = 20.0
-    (ans,) = qa.best_answers(windows, s, e, context, allow_impossible=True, null_threshold=0.0)
+    (ans,) = qa_spans.best_answers(windows, s, e, context, allow_impossible=True, null_threshold=0.0)
     assert ans.is_impossible
 
 
@@ -192,7 +195,7 @@ def test_case_C06_start_before_end_and_length_bound(tok):
     # argmax start lies after argmax end
     s, e = _logits(windows, start=(0, ctx[8]), end=(0, ctx[3]))
     s[0][ctx[2]] = 6.0  # second-best start, before the best end
-    (ans,) = qa.best_answers(windows, s, e, context, max_answer_len=30)
+    (ans,) = qa_spans.best_answers(windows, s, e, context, max_answer_len=30)
     best, span = _brute_force_best(windows, s, e, context, 30)
     assert (ans.start, ans.end) == span
     assert (ans.start, ans.end) == (qa_spans.trim_span(context, *w.context_offsets[ctx[2]])[0],
@@ -200,7 +203,7 @@ def test_case_C06_start_before_end_and_length_bound(tok):
     # length bound in tokens: end - start + 1 <= max_answer_len
     s, e = _logits(windows, start=(0, ctx[1]), end=(0, ctx[9]))
     for L in (1, 2, 4, 9, 30):
-        (ans,) = qa.best_answers(windows, s, e, context, max_answer_len=L)
+        (ans,) = qa_spans.best_answers(windows, s, e, context, max_answer_len=L)
         _, span = _brute_force_best(windows, s, e, context, L)
         assert (ans.start, ans.end) == span
     # random logits: equals the exhaustive search
@@ -208,7 +211,7 @@ def test_case_C06_start_before_end_and_length_bound(tok):
         s, e = _logits(windows, seed=seed)
         s = [x * 20 for x in s]
         e = [x * 20 for x in e]
-        (ans,) = qa.best_answers(windows, s, e, context, max_answer_len=5)
+        (ans,) = qa_spans.best_answers(windows, s, e, context, max_answer_len=5)
         assert (ans.start, ans.end) == _brute_force_best(windows, s, e, context, 5)[1]
 
 
@@ -223,14 +226,14 @@ def test_case_C07_answers_trimmed(tok):
             if w.context_offsets[j] is None:
                 continue
             s, e = _logits(windows, start=(0, i), end=(0, j), high=30.0)
-            answers = qa.best_answers(windows, s, e, context, top_k=2, max_answer_len=4)
+            answers = qa_spans.best_answers(windows, s, e, context, top_k=2, max_answer_len=4)
             _check_well_formed(answers, context)
     # leading space of SentencePiece offsets (C07): "▁Berlin" covers " \xa0Berlin" or similar
     b = context.index("Berlin")
     tok_i = next(i for i, o in enumerate(w.context_offsets) if o and o[0] <= b < o[1])
     tok_j = next(i for i, o in enumerate(w.context_offsets) if o and o[0] < b + 6 <= o[1])
     s, e = _logits(windows, start=(0, tok_i), end=(0, tok_j), high=30.0)
-    (ans,) = qa.best_answers(windows, s, e, context)
+    (ans,) = qa_spans.best_answers(windows, s, e, context)
     assert ans.text == "Berlin" and context[ans.start : ans.end] == "Berlin"
 
 
@@ -238,7 +241,7 @@ def test_top_k_distinct_spans_across_windows(tok):
     context = " ".join(["Washington is the capital of the United States."] * 8)
     windows = tok.qa_windows("capital?", context, 48, 16)
     s, e = _logits(windows, seed=3)
-    answers = qa.best_answers(windows, s, e, context, top_k=10)
+    answers = qa_spans.best_answers(windows, s, e, context, top_k=10)
     spans = [(a.start, a.end) for a in answers]
     assert len(spans) == len(set(spans)) == 10
     assert [a.score for a in answers] == sorted((a.score for a in answers), reverse=True)
@@ -264,7 +267,7 @@ def test_multilingual_gold_answers_round_trip(tok, sample):
         else:
             pytest.fail(f"no window holds the answer of {row['id']}")
         s, e = _logits(windows, start=(w_i, idx[0]), end=(w_i, idx[-1]), high=30.0)
-        (got,) = qa.best_answers(windows, s, e, ctx, max_answer_len=64)
+        (got,) = qa_spans.best_answers(windows, s, e, ctx, max_answer_len=64)
         assert got.text == ctx[got.start : got.end]
         assert got.start <= a0 and got.end >= a1, (row["id"], got, ans)  # whole tokens around the answer
         total += 1
