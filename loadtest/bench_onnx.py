@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     from relserve.loadtest.bench_encoder import build_models
     from relserve.models.onnx.export import export_model
     from relserve.models.onnx.runtime import make_session
-    from relserve.service.backends.onnx_session import native_library
+    from relserve.models.onnx.runtime import native_library
 
     parser = argparse.ArgumentParser(prog="python -m relserve.loadtest.bench_onnx", description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12)

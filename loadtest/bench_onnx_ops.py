@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     import onnxruntime as ort
 
     from relserve.models.onnx.runtime import make_session
-    from relserve.service.backends.onnx_session import native_library
+    from relserve.models.onnx.runtime import native_library
 
     parser = argparse.ArgumentParser(prog="python -m relserve.loadtest.bench_onnx_ops",
                                      description=__doc__.splitlines()[0])

@@ -475,7 +475,7 @@ def load_translation_checkpoint(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def checkpoint_hash(path: str | os.PathLike, export_version: str = "1") -> str:
+def checkpoint_hash(path: str | os.PathLike, export_version: str) -> str:
     """sha256 (hex) over ``config.json``, the weights file and an export format version.
 
     The ONNX graph cache is keyed by it and every exported graph records it, so a graph is never used with

@@ -50,7 +50,8 @@ class TaskProcessing(Protocol):
 
 
 class DefaultTaskProcessing:
-    """Adapter over ``relserve.service.tasks.classify`` and ``relserve.service.tasks.qa``."""
+    """The real task processing: ``relserve.service.tasks.classify``, ``Tokenizer.qa_windows`` and
+    ``relserve.models.qa_spans`` (tests swap in fakes through :class:`TaskProcessing`)."""
 
     def classify_preprocess(self, tokenizer, texts, pairs, max_seq_len):
         return classify.preprocess(tokenizer, texts, pairs, max_seq_len)

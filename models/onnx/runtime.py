@@ -33,8 +33,15 @@ GRAPH_NAME = "model.onnx"
 ENCODER_GRAPH = "encoder.onnx"
 DECODER_GRAPH = "decoder_step.onnx"
 REPORT_NAME = "export_report.json"
+# the kernels of models/onnx/native, where `make onnx-native` builds them
+NATIVE_LIBRARY = Path(__file__).resolve().parent / "native" / "build" / "librelserve_onnx_ops.so"
 EXPORT_VERSION = "1"  # layout of the exported graphs; part of the cache key: bump when it changes
 METADATA_CHECKPOINT = "relserve.checkpoint_sha256"  # graph metadata: the hash of the checkpoint it came from
+
+
+def native_library() -> str | None:
+    """The native custom-op library when it has been built (``make onnx-native``), else None."""
+    return os.fspath(NATIVE_LIBRARY) if NATIVE_LIBRARY.is_file() else None
 
 
 def make_session(path: str | os.PathLike, providers: Sequence = ("CPUExecutionProvider",),

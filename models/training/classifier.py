@@ -133,7 +133,7 @@ def accuracy(model: torch.nn.Module, seqs: list[list[int]], labels: list[int], p
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(prog="relserve train-classifier", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--data", required=True, help="directory with train.jsonl and dev.jsonl")
     ap.add_argument("--tokenizer", required=True, help="tokenizer directory (tokenizer.json + tokenizer_config.json)")
     ap.add_argument("--out", required=True, help="checkpoint directory to write (best dev epoch)")

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..checkpoint import read_config, save_checkpoint, write_config
+
 
 def set_seed(seed: int) -> None:
     """Seed every RNG the training touches."""
@@ -165,20 +167,17 @@ def save_model_dir(
     ``config.json`` gets ``dtype`` (and the legacy ``torch_dtype``) so transformers' ``dtype="auto"`` loads the
     stored precision; our loader ignores the key and casts to what the caller asks for.
     """
-    from relserve.models.checkpoint import save_checkpoint
-
     m = copy.deepcopy(model).to("cpu")
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[save_dtype]
     m = m.to(dtype).eval()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_checkpoint(m, config, out_dir=str(out_dir), tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None)
-    cfg_path = out_dir / "config.json"
-    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    cfg = read_config(out_dir)[1]
     cfg["dtype"] = save_dtype
     cfg.pop("torch_dtype", None)
     cfg.update(extra_config or {})
-    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")
+    write_config(cfg, out_dir, ensure_ascii=False)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -423,7 +423,7 @@ def no_answer_metrics(rows: list[dict[str, Any]], preds: list[tuple[str, float, 
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(prog="relserve train-qa", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--data", required=True, help="the shared data directory (qa/, sentiment/, ...)")
     ap.add_argument("--out", help="checkpoint directory to write (best dev epoch)")
     ap.add_argument("--state-dir", default=None, help="training state (default runs/state/<name of --out>)")

@@ -44,7 +44,7 @@ def corpus_lines(data_dir: str | os.PathLike) -> Iterator[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m relserve.models.training.tokenizer", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default="../shared/data", help="shared data directory (sentiment/, qa/, topics/)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--vocab-size", type=int, default=8000)

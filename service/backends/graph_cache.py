@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
 from relserve.models.checkpoint import checkpoint_hash
-from relserve.models.onnx.runtime import METADATA_CHECKPOINT, REPORT_NAME
+from relserve.models.onnx.runtime import EXPORT_VERSION, METADATA_CHECKPOINT, REPORT_NAME
 
 from ..config import ModelConfig
 from ..errors import ConfigError
@@ -110,7 +110,7 @@ def load_graphs(config: ModelConfig, names: Sequence[str], export: Callable[[Pat
     that is incomplete, unreadable or mismatching is deleted and exported again, once.
     """
     path = Path(config.path)
-    digest = checkpoint_hash(path)
+    digest = checkpoint_hash(path, EXPORT_VERSION)
     for d in (path, path / "onnx"):
         if os.path.lexists(d / names[0]) and not (d / names[0]).is_file():
             raise GraphMismatch(f"model {config.name!r}: {d / names[0]} is not a readable file (a directory or a "

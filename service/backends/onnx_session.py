@@ -11,25 +11,17 @@ Custom ops run as the graph's portable functions, or as native kernels when the 
 from __future__ import annotations
 
 import logging
-import os
-from pathlib import Path
 from typing import Any, Callable
 
 import onnxruntime as ort
 import torch
 
+from relserve.models.onnx.runtime import native_library
+
 from ..config import ModelConfig
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-NATIVE_LIBRARY = Path(__file__).resolve().parents[2] / "models" / "onnx" / "native" / "build" / "librelserve_onnx_ops.so"
-
-
-def native_library() -> str | None:
-    """The native custom-op library when it has been built (``make onnx-native``), else None."""
-    return os.fspath(NATIVE_LIBRARY) if NATIVE_LIBRARY.is_file() else None
-
 
 def select_providers(config: ModelConfig) -> list:
     """ONNX Runtime providers for a model's ``device``: CUDA first when allowed and usable, else CPU.

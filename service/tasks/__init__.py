@@ -3,8 +3,7 @@ tokenizing) and its pre- and post-processing (pure Python/numpy over the tokeniz
 `relserve.models.tokenization`).
 
 `classify`: validate_classify; texts (and optional pairs) -> encodings; logits -> (label, score) list.
-`qa`: validate_answer; question + context -> stride windows; start/end logits -> answer spans with
-character offsets.
+`qa`: validate_answer (windows come from ``Tokenizer.qa_windows``, answers from ``relserve.models.qa_spans``).
 `translate`: validate_translate -> DecodeOptions; texts -> source ids (blank -> None); hypotheses ->
 detokenized text, pieces and labelled alignments.
 `text`: what counts as blank.

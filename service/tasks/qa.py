@@ -1,4 +1,4 @@
-"""Extractive question answering: stride windows in, character-offset answer spans out.
+"""Extractive question answering: the Answer request validated once, its defaults resolved.
 
 The request is checked once, here (:func:`validate_answer`), before any tokenizing. Span search, SQuAD 2.0
 null score and answer scores are :mod:`relserve.models.qa_spans` (the one search, also used by the QA

@@ -245,7 +245,7 @@ def test_each_op_exports_as_one_custom_node(tmp_path):
 
 
 def _native_library():
-    from relserve.service.backends.onnx_session import native_library
+    from relserve.models.onnx.runtime import native_library
 
     lib = native_library()
     if lib is None:

@@ -25,6 +25,7 @@ onnx = pytest.importorskip("onnx")
 from fixtures.translation import make_tiny_checkpoint  # noqa: E402
 from relserve.models.decoding import DecodeOptions, beam_search  # noqa: E402
 from relserve.models.checkpoint import checkpoint_hash  # noqa: E402
+from relserve.models.onnx.runtime import EXPORT_VERSION  # noqa: E402
 from relserve.models.onnx.cli import main as export_main  # noqa: E402
 from relserve.models.onnx.export_rnnsearch import onnx_bigru_reference, onnx_gru_weights  # noqa: E402
 from relserve.models.onnx.runtime import OrtRNNSearch  # noqa: E402
@@ -109,7 +110,7 @@ def test_export_graphs_report_and_nodes(exported, checkpoints, kind):
     assert report["task"] == "translation" and report["encoder_type"] == kind and report["opset"] >= 17
     assert report["parity"]["passed"] and all(s["identical_tokens"] for s in report["parity"]["search"].values())
     assert max(c["encoder_max_abs_diff"] for c in report["parity"]["cases"]) < 1e-4
-    assert report["checkpoint_sha256"] == checkpoint_hash(checkpoints[kind])
+    assert report["checkpoint_sha256"] == checkpoint_hash(checkpoints[kind], EXPORT_VERSION)
     enc = onnx.load(d / "encoder.onnx")
     dec = onnx.load(d / "decoder_step.onnx")
     onnx.checker.check_model(enc, full_check=True)

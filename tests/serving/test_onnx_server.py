@@ -18,6 +18,7 @@ from fixtures.server import Running  # noqa: E402
 from fixtures.deberta import make_deberta_checkpoint  # noqa: E402
 from fixtures.translation import make_tiny_checkpoint  # noqa: E402
 from relserve.models.checkpoint import checkpoint_hash  # noqa: E402
+from relserve.models.onnx.runtime import EXPORT_VERSION  # noqa: E402
 from relserve.service._proto import inference_pb2 as pb  # noqa: E402
 from relserve.service.backends import create_backend  # noqa: E402
 from relserve.service.backends.graph_cache import GraphMismatch  # noqa: E402
@@ -80,7 +81,7 @@ def test_list_models_shows_the_provider(srv):
 
 def test_export_on_first_load_lands_in_the_cache(srv, checkpoints, cache_dir):
     for name in ("cls", "qa"):
-        assert (cache_dir / checkpoint_hash(checkpoints[name]) / "model.onnx").is_file()
+        assert (cache_dir / checkpoint_hash(checkpoints[name], EXPORT_VERSION) / "model.onnx").is_file()
     assert not any(p.name.startswith("tmp") for p in cache_dir.iterdir())
 
 
@@ -109,7 +110,7 @@ def test_graph_of_other_weights_is_refused(srv, checkpoints, cache_dir, tmp_path
     """A model.onnx beside the checkpoint that was exported from other weights fails the load-time check."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(checkpoints["cls-other"], ckpt)
-    shutil.copyfile(cache_dir / checkpoint_hash(checkpoints["cls"]) / "model.onnx", ckpt / "model.onnx")
+    shutil.copyfile(cache_dir / checkpoint_hash(checkpoints["cls"], EXPORT_VERSION) / "model.onnx", ckpt / "model.onnx")
     be = OnnxBackend(ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx", max_seq_len=64))
     with pytest.raises(GraphMismatch, match=r"exported from another checkpoint .*relserve export"):
         be.load()  # the hash in the graph's metadata
@@ -124,7 +125,7 @@ def test_graph_of_other_weights_is_refused(srv, checkpoints, cache_dir, tmp_path
         OnnxBackend(ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx", max_seq_len=64)).load()
     (ckpt / "onnx" / "model.onnx").unlink()
     # the graph of the right weights, placed beside the checkpoint, is used without an export
-    shutil.copyfile(cache_dir / checkpoint_hash(checkpoints["cls"]) / "model.onnx", ckpt / "model.onnx")
+    shutil.copyfile(cache_dir / checkpoint_hash(checkpoints["cls"], EXPORT_VERSION) / "model.onnx", ckpt / "model.onnx")
     be = OnnxBackend(ModelConfig(name="m", path=checkpoints["cls"], device="cpu", backend="onnx", max_seq_len=64,
                                  onnx_cache_dir=cache_dir))
     meta = be.load()
@@ -146,7 +147,7 @@ def test_graph_provenance_and_vocabulary_wide_check(checkpoints, cache_dir, tmp_
 
     from relserve.models.onnx.runtime import REPORT_NAME
 
-    entry = cache_dir / checkpoint_hash(checkpoints["cls"])
+    entry = cache_dir / checkpoint_hash(checkpoints["cls"], EXPORT_VERSION)
     # 1. graphs + report of another checkpoint beside this one: refused by the recorded hash
     ckpt = tmp_path / "other"
     shutil.copytree(checkpoints["cls-other"], ckpt)
@@ -183,7 +184,7 @@ def test_a_corrupted_encoder_cache_entry_is_exported_again(checkpoints, tmp_path
     cfg = ModelConfig(name="m", path=checkpoints["cls"], device="cpu", backend="onnx", max_seq_len=64,
                       onnx_cache_dir=cache)
     OnnxBackend(cfg).load()
-    graph = cache / checkpoint_hash(checkpoints["cls"]) / "model.onnx"
+    graph = cache / checkpoint_hash(checkpoints["cls"], EXPORT_VERSION) / "model.onnx"
     graph.write_bytes(graph.read_bytes()[:1000])
     be = OnnxBackend(cfg)
     be.load()
@@ -195,7 +196,7 @@ def test_a_broken_translation_cache_entry_is_exported_again(translation_checkpoi
 
     cfg = ModelConfig(name="m", path=translation_checkpoint, device="cpu", backend="onnx", onnx_cache_dir=tmp_path)
     OnnxTranslationBackend(cfg).load()
-    entry = tmp_path / checkpoint_hash(translation_checkpoint)
+    entry = tmp_path / checkpoint_hash(translation_checkpoint, EXPORT_VERSION)
     (entry / "decoder_step.onnx").write_bytes(b"not a protobuf")  # truncated / corrupted
     be = OnnxTranslationBackend(cfg)
     be.load()
@@ -214,10 +215,10 @@ def test_cache_entry_edge_cases(translation_checkpoint, tmp_path):
     ckpt = translation_checkpoint
     cfg = ModelConfig(name="m", path=ckpt, device="cpu", backend="onnx", onnx_cache_dir=tmp_path / "c")
     (tmp_path / "c").mkdir()
-    (tmp_path / "c" / checkpoint_hash(ckpt)).write_text("a stray file where the entry belongs")
+    (tmp_path / "c" / checkpoint_hash(ckpt, EXPORT_VERSION)).write_text("a stray file where the entry belongs")
     OnnxTranslationBackend(cfg).load()
-    assert (tmp_path / "c" / checkpoint_hash(ckpt) / "encoder.onnx").is_file()
-    entry = tmp_path / "c" / checkpoint_hash(ckpt)
+    assert (tmp_path / "c" / checkpoint_hash(ckpt, EXPORT_VERSION) / "encoder.onnx").is_file()
+    entry = tmp_path / "c" / checkpoint_hash(ckpt, EXPORT_VERSION)
     shutil.rmtree(entry)
     (tmp_path / "elsewhere").mkdir()
     entry.symlink_to(tmp_path / "elsewhere")  # a link where the entry belongs: replaced by a real entry

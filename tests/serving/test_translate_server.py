@@ -20,6 +20,7 @@ from fixtures.fake_serving import server_config
 from fixtures.server import Running
 from fixtures.translation import REPO, make_tiny_checkpoint, sentence_pairs
 from relserve.models.checkpoint import checkpoint_hash
+from relserve.models.onnx.runtime import EXPORT_VERSION
 from relserve.service._proto import inference_pb2 as pb
 from relserve.service.config import ModelConfig, load_config
 from relserve.service.registry import build_runner
@@ -297,7 +298,7 @@ def test_server_lists_the_provider_and_exports_into_the_cache(onnx_srv, checkpoi
     assert models["bigru-onnx"].backend == "onnxruntime" and models["bigru-onnx"].device == "CPUExecutionProvider"
     assert models["bigru-torch"].backend == "torch" and models["bigru-onnx"].task == "translation"
     for kind in ("bigru", "deberta"):
-        d = cache_dir / checkpoint_hash(checkpoints[kind])
+        d = cache_dir / checkpoint_hash(checkpoints[kind], EXPORT_VERSION)
         assert (d / "encoder.onnx").is_file() and (d / "decoder_step.onnx").is_file()
 
 
