@@ -61,9 +61,6 @@ class OnnxBackend:
 
     def load(self) -> ModelMeta:
         name = self.config.name
-        if self.config.dtype != "float32":
-            raise ConfigError(f"model {name!r}: the onnx backend runs float32 graphs only, got dtype "
-                              f"{self.config.dtype}; use backend torch for half precision")
         providers = select_providers(self.config)
         loaded = load_checkpoint(self.config.path, device="cpu")
         cfg, tok = loaded.config, loaded.tokenizer

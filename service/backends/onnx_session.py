@@ -27,8 +27,12 @@ def select_providers(config: ModelConfig) -> list:
     """ONNX Runtime providers for a model's ``device``: CUDA first when allowed and usable, else CPU.
 
     Raises:
-        ConfigError: ``cuda[:N]`` was asked for but ONNX Runtime or torch sees no CUDA device.
+        ConfigError: a dtype other than float32 (the exported graphs are float32), or ``cuda[:N]`` was asked
+            for but ONNX Runtime or torch sees no CUDA device.
     """
+    if config.dtype != "float32":
+        raise ConfigError(f"model {config.name!r}: the onnx backend runs float32 graphs only, got dtype "
+                          f"{config.dtype}; use backend torch for half precision")
     want = config.device
     if want == "cpu":
         return ["CPUExecutionProvider"]

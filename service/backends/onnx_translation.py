@@ -25,7 +25,6 @@ from relserve.models.onnx.runtime import DECODER_GRAPH, ENCODER_GRAPH, OrtRNNSea
 from relserve.models.rnnsearch import encoder_kind
 
 from ..config import ModelConfig
-from ..errors import ConfigError
 from .base import TASK_TRANSLATION, ModelMeta
 from .graph_cache import GraphMismatch, check_graph_origin, load_graphs
 from .onnx_session import open_with_native_fallback, provider_device, select_providers
@@ -61,9 +60,6 @@ class OnnxTranslationBackend(SteppedBackend):
 
     def load(self) -> ModelMeta:
         name = self.config.name
-        if self.config.dtype != "float32":
-            raise ConfigError(f"model {name!r}: the onnx backend runs float32 graphs only, got dtype "
-                              f"{self.config.dtype}; use backend torch for half precision")
         providers = select_providers(self.config)
         loaded = self._loader(self.config.path, device="cpu", dtype=torch.float32)
         reference, model_config, tokenizer = loaded
