@@ -1,6 +1,9 @@
 """The relserve.v1.Inference servicer (grpc.aio): validate, call the model runner, build the reply.
 
-Each request is validated once, before any tokenizing, by its task's ``validate_*`` in
+Requests are decoded by :func:`add_to_server`'s handlers: bytes that are not a valid message of the RPC's
+request type (e.g. invalid UTF-8 in a string field) become a :class:`MalformedRequest`, which the wrapper
+answers with INVALID_ARGUMENT and counts like any other status (grpc's own deserializer would end the call
+with UNKNOWN and a traceback, uncounted). Each request is validated once, before any tokenizing, by its task's ``validate_*`` in
 :mod:`relserve.service.tasks` (against the runner's limits); the runner gets the checked values. Errors are
 mapped in one place, :func:`_rpc`, using the table in :mod:`relserve.service.errors`; the handlers only
 raise domain exceptions. Request metrics (count by code, duration, in-flight) are recorded there too. No
@@ -16,11 +19,12 @@ import time
 from typing import Any, Awaitable, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from . import metrics
 from ._proto import inference_pb2, inference_pb2_grpc
 from .backends.base import TASK_CLASSIFICATION, TASK_QA, TASK_TRANSLATION
-from .errors import ResourceExhausted, to_status
+from .errors import InvalidArgument, ResourceExhausted, to_status
 from .registry import ModelRegistry
 from .tasks import classify, qa, translate
 from .tasks.translate import TranslationItem
@@ -28,6 +32,64 @@ from .tasks.translate import TranslationItem
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "relserve.v1.Inference"
+
+
+MALFORMED_LOG_INTERVAL_S = 10.0  # at most one log line per interval for undecodable requests
+
+
+class MalformedRequest:
+    """Stands in for a request whose bytes did not decode as the RPC's message type."""
+
+    __slots__ = ("type_name", "size", "error")
+
+    def __init__(self, type_name: str, size: int, error: str) -> None:
+        self.type_name, self.size, self.error = type_name, size, error
+
+
+class _MalformedLog:
+    """Rate-limited logging of undecodable requests: one line per interval, with how many were dropped."""
+
+    def __init__(self, interval_s: float = MALFORMED_LOG_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self.next_at = 0.0
+        self.suppressed = 0
+
+    def note(self, request: MalformedRequest) -> None:
+        now = time.monotonic()
+        if now < self.next_at:
+            self.suppressed += 1
+            return
+        log.warning("undecodable %s (%d bytes): %s (%d more since the last report)", request.type_name,
+                    request.size, request.error, self.suppressed)
+        self.next_at, self.suppressed = now + self.interval_s, 0
+
+
+_malformed_log = _MalformedLog()
+
+
+def _tolerant_deserializer(message_type: type) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except DecodeError as exc:
+            return MalformedRequest(message_type.DESCRIPTOR.full_name, len(data), str(exc)[:200])
+
+    return deserialize
+
+
+def add_to_server(servicer: "InferenceServicer", server: grpc.aio.Server) -> None:
+    """Register ``servicer``'s RPCs of ``relserve.v1.Inference`` on ``server`` (what the generated
+    ``add_InferenceServicer_to_server`` does, with the tolerant request deserializer above)."""
+    service = inference_pb2.DESCRIPTOR.services_by_name["Inference"]
+    handlers = {}
+    for method in service.methods:
+        request_type = getattr(inference_pb2, method.input_type.name)
+        response_type = getattr(inference_pb2, method.output_type.name)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(getattr(servicer, method.name),
+                                     request_deserializer=_tolerant_deserializer(request_type),
+                                     response_serializer=response_type.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
 class _Scope:
@@ -50,6 +112,10 @@ def _rpc(task: str) -> Callable:
             scope = _Scope()
             code = "OK"
             try:
+                if isinstance(request, MalformedRequest):
+                    _malformed_log.note(request)
+                    raise InvalidArgument(f"the request is not a valid {request.type_name} message "
+                                          f"({request.size} bytes): {request.error}")
                 reply = await handler(self, request, context, scope)
                 if reply is not None and reply.ByteSize() > self.max_send_message_length:
                     raise ResourceExhausted(

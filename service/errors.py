@@ -12,6 +12,15 @@ from __future__ import annotations
 import grpc
 
 
+def shown(value: str, limit: int = 64) -> str:
+    """``repr(value)``, cut to ``limit`` characters and marked when longer: client input quoted in a status
+    message stays small (a message echoing a 20,000-character model name would itself overflow the
+    metadata limit and turn NOT_FOUND into RESOURCE_EXHAUSTED)."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
 class RelserveError(Exception):
     """Base of the domain exceptions; the message is sent to the client as the status details."""
 

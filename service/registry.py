@@ -9,7 +9,7 @@ from typing import Sequence
 from .backends import checkpoint_task, create_backend, create_translation_backend
 from .backends.base import TASK_CLASSIFICATION, TASK_QA, TASK_TRANSLATION
 from .config import ModelConfig
-from .errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from .errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable, shown
 from .runner import ModelRunner, Runner
 from .translation import TranslationRunner
 
@@ -43,7 +43,7 @@ class ModelRegistry:
             raise InvalidArgument(f"model is empty; set it to one of {self.names()}")
         runner = self.runners.get(name)
         if runner is None:
-            raise NotFound(f"model {name!r} is not loaded; loaded models: {self.names()}")
+            raise NotFound(f"model {shown(name)} is not loaded; loaded models: {self.names()}")
         if not runner.ready:
             raise Unavailable(f"model {name!r} is not ready yet (state: {runner.state}); retry later")
         if runner.task != task:

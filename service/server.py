@@ -23,8 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from . import metrics
-from ._proto import inference_pb2_grpc
-from .api import SERVICE_NAME, InferenceServicer
+from .api import SERVICE_NAME, InferenceServicer, add_to_server
 from .config import ServerConfig
 from .registry import ModelRegistry, build_runner
 from .runner import Runner
@@ -74,7 +73,7 @@ class InferenceServer:
             ("grpc.max_send_message_length", cfg.max_send_message_length),
             ("grpc.so_reuseport", 0),
         ])
-        inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(self.registry, cfg.max_send_message_length), self.server)
+        add_to_server(InferenceServicer(self.registry, cfg.max_send_message_length), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server

@@ -100,6 +100,44 @@ def test_unknown_model_not_found_lists_models(srv):
     assert "nope" in details and "sentiment" in details and "qa" in details
 
 
+def test_long_model_name_is_not_found_with_a_bounded_message(srv):
+    """Issue 10 item 2: the message quotes at most 64 characters of the name, so NOT_FOUND reaches the client
+    (echoing 20,000 characters overflowed the metadata limit and came back RESOURCE_EXHAUSTED)."""
+    code, details = _code(srv.stub.Classify, pb.ClassifyRequest(model="x" * 20000, texts=["x"]))
+    assert code == grpc.StatusCode.NOT_FOUND
+    assert "(20000 characters)" in details and len(details) < 300 and "sentiment" in details
+
+
+def _metric(srv, sample: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.mark.parametrize("method, task, data", [
+    ("Classify", "classification", bytes.fromhex("0a02fffe12026869")),  # invalid UTF-8 in the model string
+    ("Answer", "question-answering", b"\x0a\x09qa\x12"),  # a length prefix running past the end
+    ("TranslateStream", "translation", b"\xff\xff\xff"),  # not a protobuf at all
+])
+def test_malformed_bytes_are_invalid_argument_and_counted(srv, method, task, data):
+    """Issue 10 item 1: bytes that do not decode get INVALID_ARGUMENT (not UNKNOWN), counted under that code;
+    the server answers a well-formed request right after."""
+    sample = f'relserve_requests_total{{code="INVALID_ARGUMENT",model="{UNKNOWN_MODEL}",task="{task}"}}'
+    before = _metric(srv, sample)
+    path = f"/relserve.v1.Inference/{method}"
+    call = (srv.channel.unary_stream if method == "TranslateStream" else srv.channel.unary_unary)(path)
+    with pytest.raises(grpc.RpcError) as err:
+        reply = call(data, timeout=5)
+        list(reply) if method == "TranslateStream" else reply
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "is not a valid relserve.v1." in err.value.details()
+    assert _metric(srv, sample) == before + 1
+    reply = srv.stub.Classify(pb.ClassifyRequest(model="sentiment", texts=["good"]), timeout=5)
+    assert len(reply.results) == 1
+
+
 def test_wrong_task_failed_precondition(srv):
     code, details = _code(srv.stub.Answer, pb.AnswerRequest(model="sentiment", question="q", context="c"))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "classification" in details
