@@ -473,6 +473,9 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
 
 # DeBERTa-v3's special tokens, in id order: [PAD]=0 [CLS]=1 [SEP]=2 [UNK]=3 [MASK]=4
 UNIGRAM_SPECIAL_TOKENS = ("[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]")
+# what tokenizer_config.json / special_tokens_map.json name them (DeBERTa-v3's convention: BOS = CLS, EOS = SEP)
+SPECIAL_TOKENS_MAP = {"bos_token": "[CLS]", "eos_token": "[SEP]", "cls_token": "[CLS]", "sep_token": "[SEP]",
+                      "pad_token": "[PAD]", "unk_token": "[UNK]", "mask_token": "[MASK]"}
 UNICODE_FORMS = ("NFKC", "NFC")
 
 
@@ -540,15 +543,7 @@ def train_unigram_tokenizer(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokenizer.json").write_text(_canonical_unigram_json(tok.to_str()), encoding="utf-8")
-    special_map = {
-        "bos_token": "[CLS]",
-        "eos_token": "[SEP]",
-        "cls_token": "[CLS]",
-        "sep_token": "[SEP]",
-        "pad_token": "[PAD]",
-        "unk_token": "[UNK]",
-        "mask_token": "[MASK]",
-    }
+    special_map = dict(SPECIAL_TOKENS_MAP)
     if unicode_form == "NFKC":
         config = {"tokenizer_class": "PreTrainedTokenizerFast"}
     else:

@@ -27,6 +27,7 @@ import pytest
 # The shared-data policy (../shared/data, else the committed cut in loadtest/data, else skip) is fixtures/data.py.
 from fixtures.data import SHARED_DATA
 from fixtures.data import read_jsonl as _jsonl
+from relserve.models.tokenization import SPECIAL_TOKENS_MAP
 
 
 def _training_lines() -> list[str]:
@@ -45,13 +46,7 @@ def _write_config(directory: Path, extra: dict) -> None:
     cfg = {
         "tokenizer_class": "DebertaV2Tokenizer",
         "do_lower_case": False,
-        "bos_token": "[CLS]",
-        "eos_token": "[SEP]",
-        "cls_token": "[CLS]",
-        "sep_token": "[SEP]",
-        "pad_token": "[PAD]",
-        "unk_token": "[UNK]",
-        "mask_token": "[MASK]",
+        **SPECIAL_TOKENS_MAP,
         **extra,
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
