@@ -7,16 +7,16 @@ SERVE_ARGS ?=
 .PHONY: install install-test proto serve test test-fast bench clean onnx-native bench-onnx gpu-check
 
 # Runtime install: editable package + generated gRPC stubs.
-$(BIN)/.relserve-installed: pyproject.toml
+$(BIN)/.relserve-installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -e .
+	$(BIN)/python -m pip install -c constraints.txt -e .
 	$(BIN)/python -m relserve.service._proto
 	touch $@
 
 # Test extras (pytest, transformers as the parity oracle) on top of the runtime install.
 $(BIN)/.relserve-test-installed: $(BIN)/.relserve-installed
-	$(BIN)/python -m pip install -e '.[test]'
+	$(BIN)/python -m pip install -c constraints.txt -e '.[test]'
 	touch $@
 
 install: $(BIN)/.relserve-installed

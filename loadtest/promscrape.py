@@ -54,6 +54,28 @@ def scrape(url: str, timeout: float = 5.0) -> Snapshot:
         return parse(resp.read().decode("utf-8"))
 
 
+def histogram_quantile(before: Snapshot, after: Snapshot, name: str, q: float, **labels: str) -> float | None:
+    """The ``q`` quantile of histogram ``name`` over the window between two scrapes, as Prometheus'
+    ``histogram_quantile`` computes it: linear within the bucket holding the rank (from 0 for the first
+    bucket); the largest finite bound when the rank falls in +Inf. None when nothing was observed.
+    Samples whose labels include ``labels`` are summed (e.g. over ``task``)."""
+    bucket = f"{name}_bucket"
+    bounds = sorted((float(le), le) for le in after.label_values(bucket, "le"))
+    counts = [(bound, after.get(bucket, le=le, **labels) - before.get(bucket, le=le, **labels)) for bound, le in bounds]
+    if not counts or counts[-1][1] <= 0:
+        return None
+    rank = q * counts[-1][1]
+    lower, below = 0.0, 0.0
+    for bound, cumulative in counts:
+        if cumulative >= rank:
+            if bound == float("inf"):
+                return lower
+            inside = cumulative - below
+            return lower + (bound - lower) * ((rank - below) / inside if inside > 0 else 1.0)
+        lower, below = bound, cumulative
+    return lower
+
+
 def rss_bytes(snap: Snapshot) -> float | None:
     return snap.get("process_resident_memory_bytes") if snap.has("process_resident_memory_bytes") else None
 

@@ -6,8 +6,9 @@ answers with INVALID_ARGUMENT and counts like any other status (grpc's own deser
 with UNKNOWN and a traceback, uncounted). Each request is validated once, before any tokenizing, by its task's ``validate_*`` in
 :mod:`relserve.service.tasks` (against the runner's limits); the runner gets the checked values. Errors are
 mapped in one place, :func:`_rpc`, using the table in :mod:`relserve.service.errors`; the handlers only
-raise domain exceptions. Request metrics (count by code, duration, in-flight) are recorded there too. No
-torch here.
+raise domain exceptions; a full queue's RESOURCE_EXHAUSTED also gets the ``grpc-retry-pushback-ms`` trailer
+(gRFC A6) from the exception's ``retry_after_s`` (:mod:`relserve.service.pushback`). Request metrics (count by
+code, duration, in-flight; the time to a RESOURCE_EXHAUSTED refusal) are recorded there too. No torch here.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from . import metrics
 from ._proto import inference_pb2, inference_pb2_grpc
 from .backends.base import TASK_CLASSIFICATION, TASK_QA, TASK_TRANSLATION
 from .errors import InvalidArgument, ResourceExhausted, to_status
+from .pushback import PUSHBACK_TRAILER, pushback_ms
 from .registry import ModelRegistry
 from .tasks import classify, qa, translate
 from .tasks.translate import TranslationItem
@@ -137,12 +139,16 @@ def _rpc(task: str) -> Callable:
                     # The call already ended with DEADLINE_EXCEEDED; aborting a finished call only logs noise.
                     code = grpc.StatusCode.DEADLINE_EXCEEDED.name
                     raise asyncio.CancelledError() from None
+                retry_after_s = getattr(exc, "retry_after_s", None)
+                if retry_after_s is not None:  # a full queue: when to retry (gRFC A6; clients' retryPolicy honours it)
+                    context.set_trailing_metadata(((PUSHBACK_TRAILER, pushback_ms(retry_after_s)),))
                 await context.abort(status, details)
             finally:
                 if scope.inflight:
                     metrics.inflight(scope.model, -1)
                 metrics.observe_request(scope.model, task, code, time.monotonic() - t0)
 
+        wrapper.task = task  # the metrics label, also for calls refused before the handler runs (auth)
         return wrapper
 
     return decorate
@@ -190,7 +196,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Classify(self, request, context, scope):
         runner = self._enter(scope, request.model, TASK_CLASSIFICATION)
         texts, pairs = classify.validate_classify(list(request.texts), list(request.text_pairs), int(request.top_k),
-                                                  len(runner.info().labels), runner.name)
+                                                  len(runner.info().labels), runner.name,
+                                                  max_texts=runner.config.max_request_texts,
+                                                  max_chars=runner.config.max_request_chars)
         items, _timings = await runner.classify(texts, pairs, int(request.top_k), _deadline(context))
         reply = inference_pb2.ClassifyResponse()
         for item in items:
@@ -202,17 +210,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     @_rpc(TASK_QA)
     async def Answer(self, request, context, scope):
         runner = self._enter(scope, request.model, TASK_QA)
+        question, text = request.question, request.context  # each access decodes the UTF-8 again: once only
         opts = qa.validate_answer(
-            request.question, request.context, top_k=int(request.top_k), max_answer_len=int(request.max_answer_len),
+            question, text, top_k=int(request.top_k), max_answer_len=int(request.max_answer_len),
             doc_stride=int(request.doc_stride), allow_impossible=request.allow_impossible,
             null_threshold=request.null_threshold if request.HasField("null_threshold") else None,
             max_seq_len=runner.max_seq_len, default_max_answer_len=runner.config.max_answer_len,
-            default_doc_stride=runner.config.doc_stride,
+            default_doc_stride=runner.config.doc_stride, max_chars=runner.config.max_request_chars, model=runner.name,
         )
         result = await runner.answer(
-            request.question, request.context, top_k=opts.top_k, max_answer_len=opts.max_answer_len,
+            question, text, top_k=opts.top_k, max_answer_len=opts.max_answer_len,
             doc_stride=opts.doc_stride, allow_impossible=opts.allow_impossible, null_threshold=opts.null_threshold,
-            deadline=_deadline(context),
+            deadline=_deadline(context), clamp_stride=opts.stride_is_default,
         )
         reply = inference_pb2.AnswerResponse(num_windows=result.num_windows)
         for a in result.answers:

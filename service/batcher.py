@@ -15,28 +15,47 @@ Batch forming, every time the worker is free:
 3. the oldest unit anchors the batch (no starvation); the others join closest length bucket first, then
    oldest first, while ``max_batch_size`` and ``max_batch_tokens`` hold. The token budget counts padded
    tokens (batch size x longest) for padded backends and real tokens otherwise. A single unit longer
-   than the budget still runs, alone.
+   than the budget still runs, alone;
+4. fairness between requests: one request (all the units one :meth:`Batcher.submit` enqueued, e.g. the
+   64 windows of a long QA context) places at most ``ceil(max_request_batch_share x max_batch_size)``
+   units in a batch while units of other requests can take the places, so a short request that arrives
+   behind a long one runs in the next batch instead of after all of it. The cap is work-conserving: places
+   nobody else can take (no other request waits, or its units do not fit the token budget) are filled from
+   the capped requests, in the same bucket order, so a lone request still gets full batches;
+5. the batch runs in pieces the model's cost model expects to take at most ``max_batch_time_ms`` each
+   (``service/compute.py``), each piece taking the process's compute slot, so another model's batch runs
+   between two pieces; units cancelled or expired while a piece waited for the cores are left out.
 
 The backend's ``run(payloads)`` returns one result or one Exception per payload; each goes to its own
 unit. If ``run`` raises, or returns the wrong number of items, every unit of *that* batch gets the error
 and no other unit is touched.
+
+A full queue raises :class:`ResourceExhausted` with ``retry_after_s`` from the queue's drain estimate
+(``service/pushback.py``: units per second of the recent batches formed at a full queue, and a virtual
+queue of the requests already told to come back), which the servicer sends as the ``grpc-retry-pushback-ms`` trailer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from . import queueing
+from .compute import ComputeScheduler, CostModel, Lane
 from .errors import ResourceExhausted, Unavailable
+from .pushback import DrainEstimate
 
 log = logging.getLogger(__name__)
 
 RunBatch = Callable[[list[Any]], Sequence[Any]]
+
+_request_ids = itertools.count(1)  # one id per submitted request (its units share it)
 
 
 @dataclass(eq=False)
@@ -51,6 +70,9 @@ class Unit:
     queue_s: float = 0.0       # enqueue -> batch start
     inference_s: float = 0.0   # backend time of the batch it ran in
     batch_size: int = 0        # size of the batch it ran in
+    # the request the unit belongs to (the fairness cap counts units per request); the default gives every
+    # unit its own id, i.e. no cap applies to units created outside submit()
+    request: int = field(default_factory=lambda: next(_request_ids))
 
     @property
     def result(self) -> Any:
@@ -67,6 +89,7 @@ class BatchStats:
     inference_s: float
     queue_s: tuple[float, ...]
     failed: bool
+    compute_s: float = 0.0  # of inference_s, the seconds the call held the cores (not waiting for them)
 
 
 def _noop(*_args: Any) -> None:
@@ -87,8 +110,15 @@ class Batcher:
         bucket_width: tokens per length bucket when grouping similar lengths.
         length_bucketing: group similar lengths (default); False takes units in arrival order, which
             pads more (the switch exists to measure what bucketing saves).
+        max_request_batch_share: at most ``ceil(share x max_batch_size)`` units of one request per batch
+            while other requests' units can take the places (0 < share <= 1; 1.0, the default here, is no
+            cap; the server passes the model's ``max_request_batch_share``, default 0.5).
         on_queue_depth: called with the number of waiting units whenever it changes.
         on_batch: called with a :class:`BatchStats` after each execution.
+        compute: the model's :class:`relserve.service.compute.Lane`: backend calls take the process's
+            compute slot through it, and a formed batch runs in pieces expected to take at most its
+            ``max_hold`` seconds each (a :class:`relserve.service.compute.CostModel` fitted to this
+            model's calls). None: a lane of its own (no coordination, no splitting).
     """
 
     def __init__(
@@ -103,11 +133,15 @@ class Batcher:
         is_padded: bool = True,
         bucket_width: int = 32,
         length_bucketing: bool = True,
+        max_request_batch_share: float = 1.0,
         on_queue_depth: Callable[[int], None] = _noop,
         on_batch: Callable[[BatchStats], None] = _noop,
+        compute: Lane | None = None,
     ) -> None:
         if max_batch_size < 1 or max_batch_tokens < 1 or max_queue_size < 1 or max_queue_delay < 0:
             raise ValueError("batcher limits must be positive (max_queue_delay >= 0)")
+        if not 0 < max_request_batch_share <= 1:
+            raise ValueError("max_request_batch_share must be in (0, 1]")
         self.name = name
         self._run_batch = run_batch
         self.max_batch_size = max_batch_size
@@ -117,13 +151,24 @@ class Batcher:
         self.is_padded = is_padded
         self.bucket_width = max(1, bucket_width)
         self.length_bucketing = length_bucketing
+        self.request_batch_cap = max(1, math.ceil(max_request_batch_share * max_batch_size))
         self._on_queue_depth = on_queue_depth
-        self._on_batch = on_batch
+        self.drain = DrainEstimate()
+        self._formed_full = False  # the batch being executed took all its limits allowed (see _take_batch)
+
+        def observe_batch(stats: BatchStats) -> None:  # every executed piece also feeds the drain rate
+            self.drain.drained(stats.size, stats.inference_s, full=self._formed_full)
+            on_batch(stats)
+
+        self._on_batch = observe_batch
         self._queue: list[Unit] = []
+        self._reserved = 0  # places held by requests being tokenized (reserve)
         self._arrival: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
+        self._lane = compute if compute is not None else ComputeScheduler("shared").lane(name)
+        self.cost_model = CostModel(self._lane.max_hold)
         self.executions = 0  # number of backend calls so far (tests and logs)
 
     # ------------------------------------------------------------------ lifecycle
@@ -145,6 +190,7 @@ class Batcher:
             queueing.fail(unit, Unavailable(f"model {self.name!r} is shutting down"))
         self._queue.clear()
         self._on_queue_depth(0)
+        self._lane.close()  # a batch waiting for the cores gives up now
         if self._worker is not None:
             await queueing.cancel_worker(self._worker)
             self._worker = None
@@ -156,10 +202,58 @@ class Batcher:
     def queue_depth(self) -> int:
         return len(self._queue)
 
+    @property
+    def reserved(self) -> int:
+        """Queue places held by requests that are still being tokenized (:meth:`reserve`)."""
+        return self._reserved
+
     # ------------------------------------------------------------------ submission
 
-    def submit(self, items: Sequence[tuple[int, Any]], deadline: float | None = None) -> list[Unit]:
+    def reserve(self, places: int, deadline: float | None = None) -> queueing.Reservation:
+        """Admission before work: hold ``places`` queue places for a request about to be tokenized.
+
+        ``places`` is a cheap estimate of its units (the number of texts; for QA a window count estimated
+        from the context's length). Waiting units plus every reservation count against ``max_queue_size``,
+        so a request refused here costs no tokenizing. Give the reservation to :meth:`submit` (which takes
+        the places over, checking only the difference when the exact count is larger) or release it.
+
+        Raises:
+            as :meth:`submit`.
+        """
+        self._admit(places, 0, deadline)
+        self._reserved += places
+        return queueing.Reservation(places, self._unreserve)
+
+    def _unreserve(self, places: int) -> None:
+        self._reserved -= places
+
+    def _admit(self, needed: int, held: int, deadline: float | None) -> None:
+        """Check that ``needed`` more units fit, ``held`` of the reserved places being the request's own."""
+        now = time.monotonic()
+        queueing.check_open(self.name, not (self._closed or self._worker is None or self._arrival is None),
+                            deadline, now)
+        if needed > self.max_queue_size:
+            raise ResourceExhausted(
+                f"request needs {needed} sequences but model {self.name!r} has max_queue_size "
+                f"{self.max_queue_size}; send a shorter request"
+            )
+        others = self._reserved - held
+        if len(self._queue) + others + needed > self.max_queue_size:
+            self._purge()  # expired or cancelled units must not hold places
+        if len(self._queue) + others + needed > self.max_queue_size:
+            also = f" and {others} held by requests being tokenized" if others else ""
+            raise ResourceExhausted(
+                f"queue of model {self.name!r} is full: {len(self._queue)} sequences waiting{also}, "
+                f"request needs {needed}, max_queue_size is {self.max_queue_size}; retry later",
+                retry_after_s=self.retry_after(needed),
+            )
+
+    def submit(self, items: Sequence[tuple[int, Any]], deadline: float | None = None,
+               reservation: queueing.Reservation | None = None) -> list[Unit]:
         """Enqueue ``(tokens, payload)`` items as units of one request (all or none).
+
+        With a ``reservation`` (:meth:`reserve`) its places count as the request's own; they are consumed
+        on success and stay held (for the caller to release) on a refusal.
 
         Raises:
             Unavailable: the batcher is closed or not started.
@@ -167,24 +261,15 @@ class Batcher:
             ResourceExhausted: the queue cannot take all the items (message names max_queue_size).
         """
         now = time.monotonic()
-        queueing.check_open(self.name, not (self._closed or self._worker is None or self._arrival is None),
-                            deadline, now)
+        self._admit(len(items), reservation.places if reservation is not None else 0, deadline)
         assert self._arrival is not None
-        if len(items) > self.max_queue_size:
-            raise ResourceExhausted(
-                f"request needs {len(items)} sequences but model {self.name!r} has max_queue_size "
-                f"{self.max_queue_size}; send a shorter request"
-            )
-        if len(self._queue) + len(items) > self.max_queue_size:
-            self._purge()  # expired or cancelled units must not hold places
-        if len(self._queue) + len(items) > self.max_queue_size:
-            raise ResourceExhausted(
-                f"queue of model {self.name!r} is full: {len(self._queue)} sequences waiting, "
-                f"request needs {len(items)}, max_queue_size is {self.max_queue_size}; retry later"
-            )
+        if reservation is not None:
+            reservation.release()
         loop = asyncio.get_running_loop()
+        request = next(_request_ids)
         units = [
-            Unit(tokens=int(tokens), payload=payload, deadline=deadline, future=loop.create_future(), enqueued_at=now)
+            Unit(tokens=int(tokens), payload=payload, deadline=deadline, future=loop.create_future(), enqueued_at=now,
+                 request=request)
             for tokens, payload in items
         ]
         self._queue.extend(units)
@@ -192,7 +277,13 @@ class Batcher:
         self._arrival.set()
         return units
 
-    async def run(self, items: Sequence[tuple[int, Any]], deadline: float | None = None) -> list[Unit]:
+    def retry_after(self, needed: int) -> float:
+        """Seconds a request of ``needed`` units refused now should wait before retrying (the queue's drain
+        estimate; the request joins its virtual queue). Give it to the queue-full :class:`ResourceExhausted`."""
+        return self.drain.retry_after(len(self._queue) + self._reserved, needed)
+
+    async def run(self, items: Sequence[tuple[int, Any]], deadline: float | None = None,
+                  reservation: queueing.Reservation | None = None) -> list[Unit]:
         """Submit the items and wait for all their results; returns the units in order (``unit.result``).
 
         On the first failing unit, on the deadline, or when the calling task is cancelled, the request's
@@ -202,7 +293,7 @@ class Batcher:
             RelserveError: as :meth:`submit`, or the first unit's error; DeadlineExceeded on the deadline.
             asyncio.CancelledError: the caller was cancelled.
         """
-        units = self.submit(items, deadline)
+        units = self.submit(items, deadline, reservation)
         return await self.wait(units, deadline)
 
     async def wait(self, units: list[Unit], deadline: float | None = None) -> list[Unit]:
@@ -264,7 +355,8 @@ class Batcher:
         return size * longest if self.is_padded else total
 
     def _take_batch(self) -> list[Unit]:
-        """Oldest unit first, then the closest length buckets (or arrival order), within both limits."""
+        """Oldest unit first, then the closest length buckets (or arrival order), within both limits and the
+        per-request cap; then, work-conserving, the units the cap held back fill what is left (same order)."""
         anchor = self._queue[0]
         bucket = anchor.tokens // self.bucket_width
         if self.length_bucketing:
@@ -276,34 +368,57 @@ class Batcher:
             order = list(range(1, len(self._queue)))
         chosen = [0]
         longest, total = anchor.tokens, anchor.tokens
-        for i in order:
-            if len(chosen) >= self.max_batch_size:
-                break
-            t = self._queue[i].tokens
-            if self._cost(len(chosen) + 1, max(longest, t), total + t) > self.max_batch_tokens:
-                continue
-            chosen.append(i)
-            longest, total = max(longest, t), total + t
+        per_request = {anchor.request: 1}
+        held_back: list[int] = []
+        for capped in (True, False):
+            for i in order if capped else held_back:
+                if len(chosen) >= self.max_batch_size:
+                    break
+                u = self._queue[i]
+                if self._cost(len(chosen) + 1, max(longest, u.tokens), total + u.tokens) > self.max_batch_tokens:
+                    continue
+                if capped and per_request.get(u.request, 0) >= self.request_batch_cap:
+                    held_back.append(i)  # taken in the second pass only if no other request's unit fits
+                    continue
+                chosen.append(i)
+                per_request[u.request] = per_request.get(u.request, 0) + 1
+                longest, total = max(longest, u.tokens), total + u.tokens
         picked = set(chosen)
         batch = [self._queue[i] for i in sorted(chosen)]
+        # limited by the batch limits, not by what happened to wait: its rate is a full queue's drain rate
+        self._formed_full = len(chosen) < len(self._queue) or len(chosen) >= min(self.max_batch_size,
+                                                                                  self.max_queue_size)
         self._queue = [u for i, u in enumerate(self._queue) if i not in picked]
         self._on_queue_depth(len(self._queue))
         return batch
 
-    async def _execute(self, batch: list[Unit]) -> None:
+    async def _execute(self, formed: list[Unit]) -> None:
+        """Run a formed batch: in consecutive pieces that the cost model expects to take at most the lane's
+        ``max_hold`` each (one piece when splitting is off), each a backend call of its own."""
+        for piece in self.cost_model.split([u.tokens for u in formed], self.is_padded):
+            await self._execute_piece([formed[i] for i in piece])
+
+    async def _execute_piece(self, batch: list[Unit]) -> None:
         assert self._executor is not None
         start = time.monotonic()
         for u in batch:
             u.queue_s = start - u.enqueued_at
             u.batch_size = len(batch)
         self.executions += 1
+        # units cancelled or expired while the piece waited for the cores (earlier pieces, other models)
+        # are left out when it gets them
+        run = queueing.live_only(batch, self._run_batch, lambda payloads, live: [payloads[i] for i in live],
+                                 self.name)
         # a failing batch: only its own units hear about it
         results, failed = await queueing.call_backend(
-            self._executor, self._run_batch, [u.payload for u in batch], batch,
+            self._executor, run, [u.payload for u in batch], batch,
             name=self.name, what=f"a batch of {len(batch)}", log=log,
             mismatch=lambda n: f"backend of model {self.name!r} returned {n} results for a batch of {len(batch)}",
+            lane=self._lane,
         )
         elapsed = time.monotonic() - start
+        timing = self._lane.take_timing()
+        compute_s = timing.compute_s if timing is not None else elapsed
         for u, res in zip(batch, results):
             u.inference_s = elapsed
             if u.future.done():  # cancelled or timed out while computing
@@ -314,10 +429,13 @@ class Batcher:
                 u.future.set_result(res)
         longest = max(u.tokens for u in batch)
         real = sum(u.tokens for u in batch)
+        padded = self._cost(len(batch), longest, real)
+        if not failed:
+            self.cost_model.observe(padded, compute_s)
         try:
             self._on_batch(BatchStats(
-                size=len(batch), real_tokens=real, padded_tokens=self._cost(len(batch), longest, real),
-                inference_s=elapsed, queue_s=tuple(u.queue_s for u in batch), failed=failed,
+                size=len(batch), real_tokens=real, padded_tokens=padded,
+                inference_s=elapsed, queue_s=tuple(u.queue_s for u in batch), failed=failed, compute_s=compute_s,
             ))
         except Exception:  # an observer must never stop the worker
             log.exception("model %r: batch observer failed", self.name)

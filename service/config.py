@@ -14,6 +14,32 @@ Example file::
     max_receive_message_length: 4194304   # bytes
     max_send_message_length: 4194304
     drain_timeout: 30                     # seconds
+    # Connection management (seconds). Clients reconnect, and re-resolve DNS, when a connection reaches its
+    # age, so long-lived clients of a headless Service reach replicas the autoscaler added.
+    max_connection_age: 300               # GOAWAY after this (+-10 % jitter); 0 or null: connections live forever
+    max_connection_age_grace: 30          # then in-flight calls get this long before the connection is closed
+    keepalive_time: 60                    # server pings each connection this often (0: never) ...
+    keepalive_timeout: 20                 # ... and drops it when a ping is unanswered this long
+    keepalive_min_ping_interval: 10       # clients may ping this often (a client keepalive_time below it gets
+                                          #   GOAWAY too_many_pings)
+    keepalive_permit_without_calls: true  # clients may ping connections with no call open
+    compute_scheduling: partition         # how the models share the cores (service/compute.py): partition:
+                                          #   concurrently, each call with max(1, cores // active models)
+                                          #   intra-op threads (unless *_intra_op_threads is set), so a
+                                          #   saturated model cannot slow a light one; fair: one model's
+                                          #   backend call at a time, models in turn; shared: no coordination
+    # Transport security and auth: all off by default. File paths are relative to this file.
+    tls_cert: null                        # PEM certificate chain; with tls_key: TLS on the gRPC port
+    tls_key: null                         # PEM private key, unencrypted
+    tls_client_ca: null                   # PEM CA bundle: clients must present a certificate it signed (mTLS)
+    auth_token_file: null                 # bearer tokens, one per line ('#' comments); others: UNAUTHENTICATED
+    auth_health: false                    # true: grpc.health.v1 on the gRPC port needs a token too
+    reflection: true                      # false: no grpc.reflection service (--no-reflection)
+    metrics_host: null                    # address of the /metrics server (null: host); other paths are 404
+    health_port: null                     # plaintext listener serving only grpc.health.v1 (kubelet probes
+                                          #   cannot speak TLS or send tokens); null: none
+    health_host: null                     # its address (null: host); the kubelet probes the pod IP, so in
+                                          #   Kubernetes it must not be 127.0.0.1
     models:
       - name: sentiment
         path: defaults/sentiment          # relative paths are relative to the config file
@@ -23,18 +49,35 @@ Example file::
         max_batch_tokens: 8192            # padded tokens: batch size x longest sequence
         max_queue_delay: 0.005            # seconds
         max_queue_size: 1024              # units (sequences / QA windows) waiting
+        max_request_texts: 256            # texts per Classify / Translate request (more: INVALID_ARGUMENT)
+        max_request_chars: 1000000        # characters per request, all texts (QA: question + context) together
         length_bucketing: true            # false: batches in arrival order (more padding)
+        max_request_batch_share: 0.5      # one request's units per batch <= ceil(share x max_batch_size) while
+                                          #   other requests wait (1.0: no cap); a long QA context cannot
+                                          #   starve the short requests behind it
+        max_batch_time_ms: 20             # how long one backend call should hold the cores: batches run in
+                                          #   pieces expected to take <= this (cost fitted per padded token);
+                                          #   with compute_scheduling fair, torch backends also yield between
+                                          #   encoder layers after it; 0: no cap (encoder models)
         backend: torch                    # torch | onnx (ONNX Runtime) | auto (onnx when onnxruntime is installed)
         onnx_cache_dir: null              # exported graphs, keyed by checkpoint hash (default: $XDG_CACHE_HOME/
-                                          #   relserve/onnx, or /tmp/relserve-cache without XDG_CACHE_HOME)
-        onnx_intra_op_threads: 0          # ONNX Runtime intra-op threads (0: its default, one per core)
+                                          #   relserve/onnx, ~/.cache/relserve/onnx without it); created 0700;
+                                          #   refused if another uid owns it or group/others can write it
+        onnx_intra_op_threads: 0          # ONNX Runtime intra-op threads (0: the share under partition, else
+                                          #   ONNX Runtime's default, one per core)
+        torch_intra_op_threads: 0         # torch intra-op threads of this model's backend thread (0: under
+                                          #   partition max(1, cores // active models) per call, else torch's
+                                          #   default, one per core)
         onnx_graph_optimization: all      # disable | basic | extended | all
         onnx_parity_tolerance: 0.001      # graph vs torch on the warm-up batch at load; worse refuses to serve
       - name: qa
         path: defaults/qa
         max_seq_len: 384
-        doc_stride: 128
+        doc_stride: 128                   # default overlap between windows (tokens); at most (max_seq_len - 4) // 2.
+                                          #   For a question too long for it, the default is lowered to half
+                                          #   the window's context room; a client's larger doc_stride is refused
         max_answer_len: 30
+        max_qa_windows: 64                # windows per Answer request; a longer context is INVALID_ARGUMENT
       - name: translate-de-en           # an RNNsearch directory (config.json model_type "rnnsearch")
         path: defaults/translate-de-en
         scheduling: iteration             # iteration (join/leave between decoder steps) | request
@@ -58,6 +101,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from .auth import check_tls_files, read_tokens
 from .errors import ConfigError
 
 MIB = 1024 * 1024
@@ -68,6 +112,8 @@ OPTIONAL_DEFAULT_MODELS: tuple[tuple[str, str], ...] = (
     ("translate-de-en", "translate-de-en"), ("translate-de-en-deberta", "translate-de-en-deberta"),
 )
 SCHEDULING = ("iteration", "request")
+COMPUTE_SCHEDULING = ("partition", "fair", "shared")  # server key compute_scheduling (service/compute.py)
+MAX_BATCH_TIME_MS = 60_000.0
 MAX_BEAM_SIZE = 16
 
 BACKENDS = ("torch", "onnx", "auto")
@@ -94,14 +140,21 @@ class ModelConfig:
     max_seq_len: int | None = None
     doc_stride: int = 128
     max_answer_len: int = 30
+    # per-request limits, checked before any tokenizing (service/tasks/*.validate_*; QA windows by the tokenizer)
+    max_request_texts: int = 256
+    max_request_chars: int = 1_000_000
+    max_qa_windows: int = 64
     instances: int = 1
     warmup: bool = True
     length_bucketing: bool = True  # batch similar lengths together (false: plain arrival order)
+    max_request_batch_share: float = 0.5  # fairness cap per request per batch (encoder models)
+    max_batch_time_ms: float = 20.0  # cap on one backend call's hold on the cores while another model waits
     # ONNX Runtime backend (backend: onnx | auto)
     onnx_cache_dir: Path | None = None  # None: default_onnx_cache_dir()
     onnx_intra_op_threads: int = 0
     onnx_graph_optimization: str = "all"
     onnx_parity_tolerance: float = 1e-3
+    torch_intra_op_threads: int = 0  # torch backends: intra-op threads of the model's thread (0: torch's default)
     # translation (RNNsearch) models only
     scheduling: str = "iteration"
     max_active_hypotheses: int = 256
@@ -132,12 +185,25 @@ class ModelConfig:
 
 
 def default_onnx_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """``$XDG_CACHE_HOME/relserve/onnx``, or ``/tmp/relserve-cache/onnx`` when XDG_CACHE_HOME is unset."""
+    """``$XDG_CACHE_HOME/relserve/onnx``, or ``$HOME/.cache/relserve/onnx`` when XDG_CACHE_HOME is unset or not
+    an absolute path (the XDG Base Directory spec ignores relative values): the user's own cache, never a
+    world-writable place such as /tmp, where another user could plant graphs.
+
+    Raises:
+        ConfigError: neither XDG_CACHE_HOME nor a home directory is known (set one, or onnx_cache_dir).
+    """
     import os
 
     env = os.environ if environ is None else environ
-    base = env.get("XDG_CACHE_HOME")
-    return Path(base) / "relserve" / "onnx" if base else Path("/tmp/relserve-cache") / "onnx"
+    base = env.get("XDG_CACHE_HOME") or ""
+    if os.path.isabs(base):
+        return Path(base) / "relserve" / "onnx"
+    try:
+        home = Path(env["HOME"]) if env.get("HOME") else Path.home()
+    except (RuntimeError, KeyError) as exc:  # no HOME and no passwd entry (an arbitrary container uid)
+        raise ConfigError("no onnx_cache_dir is set and neither XDG_CACHE_HOME nor a home directory is known; "
+                          "set onnx_cache_dir or XDG_CACHE_HOME") from exc
+    return home / ".cache" / "relserve" / "onnx"
 
 
 @dataclass(frozen=True)
@@ -149,6 +215,24 @@ class ServerConfig:
     max_send_message_length: int = 4 * MIB
     drain_timeout: float = 30.0
     log_level: str = "INFO"
+    compute_scheduling: str = "partition"  # COMPUTE_SCHEDULING: how models share the cores (service/compute.py)
+    # Connection management, seconds (grpc channel arguments: service/server.py connection_options)
+    max_connection_age: float | None = 300.0  # GOAWAY after this age (None or 0: off) so clients rebalance
+    max_connection_age_grace: float = 30.0    # in-flight calls' time after that GOAWAY before the close
+    keepalive_time: float = 60.0              # server keepalive ping interval (0: no pings)
+    keepalive_timeout: float = 20.0           # unanswered ping -> connection dropped
+    keepalive_min_ping_interval: float = 10.0  # shortest client ping interval accepted (else too_many_pings)
+    keepalive_permit_without_calls: bool = True  # clients may ping idle connections
+    # Transport security and auth (service/auth.py). Paths in a config file are relative to that file.
+    tls_cert: Path | None = None        # PEM certificate chain; with tls_key: TLS on the gRPC port
+    tls_key: Path | None = None         # PEM private key (unencrypted)
+    tls_client_ca: Path | None = None   # PEM CA bundle: clients must present a certificate it signed (mTLS)
+    auth_token_file: Path | None = None  # bearer tokens, one per line: calls without one are UNAUTHENTICATED
+    auth_health: bool = False           # true: grpc.health.v1 on the gRPC port needs a token too
+    reflection: bool = True             # grpc.reflection.v1alpha (needs a token when auth is on)
+    metrics_host: str | None = None     # address of the /metrics HTTP server (None: host)
+    health_port: int | None = None      # plaintext grpc.health.v1-only listener for probes (None: off)
+    health_host: str | None = None      # its address (None: host)
     models: tuple[ModelConfig, ...] = field(default_factory=tuple)
 
     def model(self, name: str) -> ModelConfig:
@@ -164,16 +248,42 @@ _MODEL_TYPES: dict[str, type] = {
     "name": str, "path": str, "backend": str, "device": str, "dtype": str,
     "max_batch_size": int, "max_batch_tokens": int, "max_queue_delay": float, "max_queue_size": int,
     "max_seq_len": int, "doc_stride": int, "max_answer_len": int, "instances": int, "warmup": bool,
-    "length_bucketing": bool,
+    "max_request_texts": int, "max_request_chars": int, "max_qa_windows": int,
+    "length_bucketing": bool, "max_request_batch_share": float, "max_batch_time_ms": float,
     "onnx_cache_dir": str, "onnx_intra_op_threads": int, "onnx_graph_optimization": str,
-    "onnx_parity_tolerance": float,
+    "onnx_parity_tolerance": float, "torch_intra_op_threads": int,
     "scheduling": str, "max_active_hypotheses": int, "max_source_tokens": int, "beam_size": int,
     "max_len_a": float, "max_len_b": int, "max_output_tokens": int, "length_penalty": float,
 }
 _SERVER_TYPES: dict[str, type] = {
     "host": str, "port": int, "metrics_port": int, "max_receive_message_length": int,
-    "max_send_message_length": int, "drain_timeout": float, "log_level": str,
+    "max_send_message_length": int, "drain_timeout": float, "log_level": str, "compute_scheduling": str,
+    "tls_cert": str, "tls_key": str, "tls_client_ca": str, "auth_token_file": str, "auth_health": bool,
+    "reflection": bool, "metrics_host": str, "health_port": int, "health_host": str,
+    "max_connection_age": float, "max_connection_age_grace": float, "keepalive_time": float,
+    "keepalive_timeout": float, "keepalive_min_ping_interval": float, "keepalive_permit_without_calls": bool,
 }
+# Server keys naming files: relative paths are relative to the config file (flags: to the cwd).
+_SERVER_PATH_KEYS = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")
+_NULLABLE_SERVER_KEYS = (*_SERVER_PATH_KEYS, "metrics_host", "health_port", "health_host", "max_connection_age")
+
+
+def check_doc_stride(where: str, doc_stride: int, max_seq_len: int) -> None:
+    """The default QA overlap must fit the shortest question: at most half the context room of a window with a
+    one-token question, ``(max_seq_len - 4) // 2`` (longer questions lower it at request time, see
+    ``Tokenizer.qa_windows(clamp_stride=True)``). Called here for an explicit ``max_seq_len`` and by the
+    runner once the model's is known.
+
+    Raises:
+        ConfigError: naming the model, doc_stride, the limit and how it is computed.
+    """
+    limit = (max_seq_len - 4) // 2
+    if doc_stride > limit:
+        raise ConfigError(
+            f"{where}: doc_stride {doc_stride} is over the limit of {limit} tokens for max_seq_len {max_seq_len}: "
+            f"the overlap between QA windows may be at most half a window's context room ((max_seq_len - 3 "
+            f"special tokens - 1 question token) // 2)"
+        )
 
 
 def check_dtype_for_device(model: str, dtype: str, device: str) -> None:
@@ -190,7 +300,7 @@ def check_dtype_for_device(model: str, dtype: str, device: str) -> None:
 
 
 def _coerce(where: str, key: str, value: Any, typ: type) -> Any:
-    if value is None and key in ("max_seq_len", "metrics_port", "onnx_cache_dir"):
+    if value is None and key in ("max_seq_len", "metrics_port", "onnx_cache_dir", *_NULLABLE_SERVER_KEYS):
         return None
     if typ is bool:
         if isinstance(value, bool):
@@ -262,19 +372,23 @@ def validate_model(m: ModelConfig) -> ModelConfig:
     if m.backend == "onnx" and m.dtype != "float32":
         raise ConfigError(f"{where}: the onnx backend runs float32 graphs only, got dtype {m.dtype}; use backend "
                           f"torch for half precision")
-    positive = ("max_batch_size", "max_batch_tokens", "max_queue_size", "doc_stride", "max_answer_len")
+    positive = ("max_batch_size", "max_batch_tokens", "max_queue_size", "doc_stride", "max_answer_len",
+                "max_request_texts", "max_request_chars", "max_qa_windows")
     for key in positive:
         if getattr(m, key) < 1:
             raise ConfigError(f"{where}: {key} must be >= 1, got {getattr(m, key)}")
+    if not 0 < m.max_request_batch_share <= 1:
+        raise ConfigError(f"{where}: max_request_batch_share must be > 0 and <= 1 (1: no cap), got "
+                          f"{m.max_request_batch_share}")
+    if not 0 <= m.max_batch_time_ms <= MAX_BATCH_TIME_MS:
+        raise ConfigError(f"{where}: max_batch_time_ms must be between 0 (no cap) and {MAX_BATCH_TIME_MS:.0f} "
+                          f"milliseconds, got {m.max_batch_time_ms}")
     if m.max_queue_delay < 0 or m.max_queue_delay > 10:
         raise ConfigError(f"{where}: max_queue_delay must be between 0 and 10 seconds, got {m.max_queue_delay}")
     if m.max_seq_len is not None:
         if m.max_seq_len < 8:
             raise ConfigError(f"{where}: max_seq_len must be >= 8, got {m.max_seq_len}")
-        if m.doc_stride >= m.max_seq_len:
-            raise ConfigError(
-                f"{where}: doc_stride {m.doc_stride} must be smaller than max_seq_len {m.max_seq_len}"
-            )
+        check_doc_stride(where, m.doc_stride, m.max_seq_len)
         if m.max_batch_tokens < m.max_seq_len:
             raise ConfigError(
                 f"{where}: max_batch_tokens {m.max_batch_tokens} must be >= max_seq_len {m.max_seq_len} "
@@ -286,6 +400,9 @@ def validate_model(m: ModelConfig) -> ModelConfig:
     if m.onnx_intra_op_threads < 0:
         raise ConfigError(f"{where}: onnx_intra_op_threads must be >= 0 (0: ONNX Runtime's default), got "
                           f"{m.onnx_intra_op_threads}")
+    if m.torch_intra_op_threads < 0:
+        raise ConfigError(f"{where}: torch_intra_op_threads must be >= 0 (0: torch's default, one per core), got "
+                          f"{m.torch_intra_op_threads}")
     if not m.onnx_parity_tolerance > 0:
         raise ConfigError(f"{where}: onnx_parity_tolerance must be > 0, got {m.onnx_parity_tolerance}")
     if m.scheduling not in SCHEDULING:
@@ -371,12 +488,18 @@ def load_config(
     unknown = set(raw) - (_SERVER_KEYS - {"models"})
     if unknown:
         raise ConfigError(f"config: unknown key(s) {sorted(unknown)}; allowed: {sorted(_SERVER_KEYS)}")
+    for key in _SERVER_PATH_KEYS:  # a config file's paths are relative to the file
+        if isinstance(raw.get(key), str):
+            raw[key] = _server_path(key, raw[key], base_dir)
     for key, value in (overrides or {}).items():
         if value is not None:
             if key not in _SERVER_TYPES:
                 raise ConfigError(f"unknown server option {key!r}")
-            raw[key] = value
+            raw[key] = _server_path(key, value, Path.cwd()) if key in _SERVER_PATH_KEYS else value
     server_values = {k: _coerce("config", k, v, _SERVER_TYPES[k]) for k, v in raw.items()}
+    for key in _SERVER_PATH_KEYS:
+        if server_values.get(key) is not None:
+            server_values[key] = Path(server_values[key])
 
     models: dict[str, ModelConfig] = {}
     for i, entry in enumerate(models_raw):
@@ -411,6 +534,50 @@ def load_config(
     return validate_server(cfg)
 
 
+def _server_path(key: str, value: Any, base_dir: Path) -> Any:
+    """A file key's value made absolute against ``base_dir`` (non-strings are left for _coerce to refuse)."""
+    if not isinstance(value, str):
+        return value
+    if not value.strip():
+        raise ConfigError(f"{key} is empty; give a file, or leave the key out")
+    path = Path(value).expanduser()
+    return str(path if path.is_absolute() else base_dir / path)
+
+
+def validate_security(cfg: ServerConfig) -> None:
+    """TLS, mTLS, token and listener keys: consistent, and every named file readable and well-formed.
+
+    Raises:
+        ConfigError: only one of tls_cert / tls_key; tls_client_ca without TLS; auth_health without
+        auth_token_file; a bad port or empty address; a file that is unreadable or wrong (see
+        :func:`relserve.service.auth.check_tls_files` and :func:`relserve.service.auth.read_tokens`).
+    """
+    if (cfg.tls_cert is None) != (cfg.tls_key is None):
+        given, missing = ("tls_cert", "tls_key") if cfg.tls_cert is not None else ("tls_key", "tls_cert")
+        raise ConfigError(f"{given} is set but {missing} is not: TLS needs both (--tls-cert FILE --tls-key FILE)")
+    if cfg.tls_client_ca is not None and cfg.tls_cert is None:
+        raise ConfigError("tls_client_ca (client certificates, mTLS) needs TLS: set tls_cert and tls_key too")
+    if cfg.auth_health and cfg.auth_token_file is None:
+        raise ConfigError("auth_health: true needs auth_token_file (without tokens there is nothing to require)")
+    for key in ("metrics_host", "health_host"):
+        if getattr(cfg, key) is not None and not getattr(cfg, key).strip():
+            raise ConfigError(f"{key} is empty; give an address, or leave the key out to use host")
+    if cfg.health_port is not None:
+        if not 0 <= cfg.health_port <= 65535:
+            raise ConfigError(f"health_port must be between 0 and 65535 (leave it out for no health-only "
+                              f"listener), got {cfg.health_port}")
+        if cfg.health_port != 0 and (cfg.health_host or cfg.host) == cfg.host and cfg.health_port in (
+                cfg.port, cfg.metrics_port):
+            raise ConfigError(f"health_port {cfg.health_port} is already the gRPC or the metrics port")
+    if cfg.tls_cert is not None and cfg.tls_key is not None:
+        check_tls_files(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+    if cfg.auth_token_file is not None:
+        read_tokens(cfg.auth_token_file)
+
+
+MAX_DRAIN_SECONDS = 86_400  # a day: far past any terminationGracePeriodSeconds, finite for the exit deadline
+
+
 def validate_server(cfg: ServerConfig) -> ServerConfig:
     """Raises ConfigError for out-of-range server keys; returns cfg (metrics_port < 0 becomes None)."""
     if not 0 <= cfg.port <= 65535:
@@ -422,11 +589,42 @@ def validate_server(cfg: ServerConfig) -> ServerConfig:
     for key in ("max_receive_message_length", "max_send_message_length"):
         if getattr(cfg, key) < 1024:
             raise ConfigError(f"{key} must be at least 1024 bytes, got {getattr(cfg, key)}")
-    if cfg.drain_timeout < 0:
-        raise ConfigError(f"drain_timeout must be >= 0 seconds, got {cfg.drain_timeout}")
+    # NaN would fire the exit deadline at once, and a value past threading.TIMEOUT_MAX kills that thread
+    # (OverflowError), leaving a hung drain without its backstop (service/drain.py ExitDeadline).
+    if not 0 <= cfg.drain_timeout <= MAX_DRAIN_SECONDS:  # also refuses NaN
+        raise ConfigError(f"drain_timeout must be between 0 and {MAX_DRAIN_SECONDS} seconds, got {cfg.drain_timeout}")
     if cfg.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         raise ConfigError(f"log_level {cfg.log_level!r} is not a logging level name")
+    if cfg.compute_scheduling not in COMPUTE_SCHEDULING:
+        raise ConfigError(f"compute_scheduling {cfg.compute_scheduling!r} is not one of {list(COMPUTE_SCHEDULING)}")
+    validate_security(cfg)
+    validate_connections(cfg)
     names = [m.name for m in cfg.models]
     if len(set(names)) != len(names):
         raise ConfigError(f"model names must be unique, got {names}")
     return cfg
+
+
+MAX_CONNECTION_SECONDS = 2_000_000  # grpc takes these as int32 milliseconds (at most ~24.8 days)
+
+
+def validate_connections(cfg: ServerConfig) -> None:
+    """Check the connection-management keys (seconds).
+
+    Raises:
+        ConfigError: a negative or non-finite value, one over MAX_CONNECTION_SECONDS, a max_connection_age
+            under 0.1 s (other than 0 / null: off), or keepalive_time on with keepalive_timeout 0.
+    """
+    keys = ("max_connection_age", "max_connection_age_grace", "keepalive_time", "keepalive_timeout",
+            "keepalive_min_ping_interval")
+    for key in keys:
+        value = getattr(cfg, key)
+        if value is None:
+            continue
+        if not 0 <= value <= MAX_CONNECTION_SECONDS:  # also refuses NaN
+            raise ConfigError(f"{key} must be between 0 and {MAX_CONNECTION_SECONDS} seconds, got {value}")
+    if cfg.max_connection_age and cfg.max_connection_age < 0.1:
+        raise ConfigError(f"max_connection_age must be 0 (off) or at least 0.1 seconds, got {cfg.max_connection_age}")
+    if cfg.keepalive_time > 0 and cfg.keepalive_timeout <= 0:
+        raise ConfigError(f"keepalive_timeout must be > 0 seconds when keepalive_time is on, got "
+                          f"{cfg.keepalive_timeout}")

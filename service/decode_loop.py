@@ -14,7 +14,9 @@ loop
    fit an empty loop is still admitted, alone). Admission is strictly FIFO: a sequence never overtakes
    an older one;
 3. runs one step: the plan (:class:`StepPlan`) is the ids of the active sequences and their live
-   hypothesis counts; the backend executes it in the model's executor thread, off the event loop;
+   hypothesis counts; the backend executes it in the model's executor thread, off the event loop,
+   holding the process's compute slot (``service/compute.py``: with ``compute_scheduling: fair`` one
+   model's backend call at a time, models in turn, so a step never shares the cores with another model);
 4. updates: each sequence reads only its own :class:`SeqUpdate`; finished sequences leave and their
    reply slot gets the n-best list; streaming sequences get their best hypothesis so far.
 
@@ -44,9 +46,11 @@ from typing import Callable, Sequence
 from relserve.models.decode_types import DecodeOptions, Hypothesis
 
 from . import queueing
+from .compute import ComputeScheduler, Lane
 from .backends.base import SeqUpdate, StartItem, StepBackend, StepPlan
 from .config import SCHEDULING
 from .errors import DeadlineExceeded, Internal, ResourceExhausted, Unavailable
+from .pushback import DrainEstimate
 from .queueing import fail
 
 log = logging.getLogger(__name__)
@@ -109,6 +113,9 @@ class DecodeLoop:
         max_queue_delay: seconds an idle loop waits for company before encoding the first arrival.
         max_queue_size: sequences allowed to wait; beyond it submissions raise ResourceExhausted.
         observer: metrics hooks.
+        compute: the model's :class:`relserve.service.compute.Lane`: encoder batches and decoder steps take
+            the process's compute slot through it (sequences cancelled or expired while waiting for it are
+            left out of the call). None: a lane of its own (no coordination).
     """
 
     def __init__(
@@ -123,6 +130,7 @@ class DecodeLoop:
         max_queue_delay: float = 0.0,
         max_queue_size: int = 1024,
         observer: LoopObserver | None = None,
+        compute: Lane | None = None,
     ) -> None:
         if scheduling not in SCHEDULING:
             raise ValueError(f"scheduling {scheduling!r} is not one of {SCHEDULING}")
@@ -138,12 +146,17 @@ class DecodeLoop:
         self.max_queue_size = max_queue_size
         self.observer = observer or LoopObserver()
         self._waiting: list[DecodeSeq] = []
+        self._reserved_places = 0  # held by requests being tokenized (reserve)
         self._active: list[DecodeSeq] = []
         self._ids = itertools.count()
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
+        self._lane = compute if compute is not None else ComputeScheduler("shared").lane(name)
+        # retry guidance for queue-full refusals: sequences admitted per second while a backlog waited
+        self.drain = DrainEstimate()
+        self._backlog_at: float | None = None  # last admission that left sequences waiting
         # counters for tests and logs
         self.steps = 0
         self.encoder_batches = 0
@@ -169,6 +182,7 @@ class DecodeLoop:
         self._active.clear()
         self.observer.queue_depth(0)
         self.observer.active(0)
+        self._lane.close()  # an encoder batch or step waiting for the cores gives up now
         if self._worker is not None:
             await queueing.cancel_worker(self._worker)
             self._worker = None
@@ -186,6 +200,11 @@ class DecodeLoop:
         return len(self._waiting)
 
     @property
+    def reserved_places(self) -> int:
+        """Queue places held by requests that are still being tokenized (:meth:`reserve`)."""
+        return self._reserved_places
+
+    @property
     def active_sequences(self) -> int:
         return len(self._active)
 
@@ -195,9 +214,41 @@ class DecodeLoop:
 
     # ------------------------------------------------------------------ submission
 
+    def reserve(self, places: int, deadline: float | None = None) -> queueing.Reservation:
+        """Admission before work: hold ``places`` queue places (one per text) while a request is tokenized;
+        give the reservation to :meth:`submit` or release it (see :class:`relserve.service.queueing.Reservation`).
+
+        Raises:
+            as :meth:`submit`.
+        """
+        self._admit(places, 0, deadline)
+        self._reserved_places += places
+        return queueing.Reservation(places, self._unreserve)
+
+    def _unreserve(self, places: int) -> None:
+        self._reserved_places -= places
+
+    def _admit(self, needed: int, held: int, deadline: float | None) -> None:
+        queueing.check_open(self.name, not (self._closed or self._worker is None or self._wake is None),
+                            deadline, time.monotonic())
+        others = self._reserved_places - held
+        if len(self._waiting) + others + needed > self.max_queue_size:
+            self._drop_dead_waiting()
+        if len(self._waiting) + others + needed > self.max_queue_size:
+            also = f" and {others} held by requests being tokenized" if others else ""
+            raise ResourceExhausted(
+                f"queue of model {self.name!r} is full: {len(self._waiting)} texts waiting{also}, request has "
+                f"{needed}, max_queue_size is {self.max_queue_size}; retry later",
+                # no retry advice for a request that can never fit
+                retry_after_s=(self.drain.retry_after(len(self._waiting) + others, needed)
+                               if needed <= self.max_queue_size else None),
+            )
+
     def submit(self, items: Sequence[tuple[list[int], DecodeOptions]], deadline: float | None = None,
-               on_update: OnUpdate | None = None) -> list[DecodeSeq]:
-        """Enqueue ``(source_ids, options)`` items as the sequences of one request (all or none).
+               on_update: OnUpdate | None = None, reservation: queueing.Reservation | None = None
+               ) -> list[DecodeSeq]:
+        """Enqueue ``(source_ids, options)`` items as the sequences of one request (all or none); a
+        ``reservation`` (:meth:`reserve`) counts as the request's own places and is consumed on success.
 
         Raises:
             Unavailable: closed or not started.
@@ -205,16 +256,10 @@ class DecodeLoop:
             ResourceExhausted: the queue cannot take all the items (names max_queue_size).
         """
         now = time.monotonic()
-        queueing.check_open(self.name, not (self._closed or self._worker is None or self._wake is None),
-                            deadline, now)
+        self._admit(len(items), reservation.places if reservation is not None else 0, deadline)
         assert self._wake is not None
-        if len(self._waiting) + len(items) > self.max_queue_size:
-            self._drop_dead_waiting()
-        if len(self._waiting) + len(items) > self.max_queue_size:
-            raise ResourceExhausted(
-                f"queue of model {self.name!r} is full: {len(self._waiting)} texts waiting, request has "
-                f"{len(items)}, max_queue_size is {self.max_queue_size}; retry later"
-            )
+        if reservation is not None:
+            reservation.release()
         loop = asyncio.get_running_loop()
         seqs = [
             DecodeSeq(seq_id=next(self._ids), source_ids=list(ids), options=options, deadline=deadline,
@@ -348,6 +393,11 @@ class DecodeLoop:
         if chosen:
             self._waiting = self._waiting[len(chosen):]
             self.observer.queue_depth(len(self._waiting))
+            # only an interval during which sequences kept waiting is all drain time (an idle loop admits at once)
+            now = time.monotonic()
+            if self._backlog_at is not None:
+                self.drain.drained(len(chosen), now - self._backlog_at)
+            self._backlog_at = now if self._waiting else None
         return chosen
 
     async def _encode(self, batch: list[DecodeSeq]) -> None:
@@ -357,10 +407,13 @@ class DecodeLoop:
             s.queue_s = start - s.enqueued_at
         items = [StartItem(s.seq_id, s.source_ids, s.options) for s in batch]
         self.encoder_batches += 1
+        start_live = queueing.live_only(batch, self.backend.start, lambda its, live: [its[i] for i in live],
+                                        self.name)
         results, _ = await queueing.call_backend(  # a failure fails only this encoder batch
-            self._executor, self.backend.start, items, batch,
+            self._executor, start_live, items, batch,
             name=self.name, what=f"encoding a batch of {len(batch)}", log=log,
             mismatch=lambda n: f"backend of model {self.name!r} started {n} of {len(batch)} sources",
+            lane=self._lane,
         )
         elapsed = time.monotonic() - start
         joined, dropped = [], []
@@ -393,10 +446,15 @@ class DecodeLoop:
             del self.plans[: len(self.plans) - self.max_plans_kept]
         start = time.monotonic()
         self.steps += 1
+        step_live = queueing.live_only(  # texts dropped while the step waited for the cores are left out
+            seqs, self.backend.step,
+            lambda p, live: StepPlan(tuple(p.seq_ids[i] for i in live), tuple(p.hypotheses[i] for i in live)),
+            self.name)
         updates, _ = await queueing.call_backend(  # a failed step: only the sequences in it hear about it
-            self._executor, self.backend.step, plan, seqs,
+            self._executor, step_live, plan, seqs,
             name=self.name, what=f"a decoder step over {len(seqs)} texts", log=log,
             mismatch=lambda n: f"backend of model {self.name!r} returned {n} updates for {len(seqs)} texts",
+            lane=self._lane,
         )
         elapsed = time.monotonic() - start
         finished, dropped = set(), []

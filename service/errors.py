@@ -38,7 +38,18 @@ class FailedPrecondition(RelserveError):
 
 
 class ResourceExhausted(RelserveError):
-    """Queue full, or a request larger than a configured limit."""
+    """Queue full, or a request larger than a configured limit.
+
+    Args:
+        message: what was exhausted and the limit.
+        retry_after_s: for a full queue, seconds after which a retry could be taken (the servicer sends it as
+            the ``grpc-retry-pushback-ms`` trailer, see ``service/pushback.py``); None for a request that no
+            retry would help (over a size limit).
+    """
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class DeadlineExceeded(RelserveError):

@@ -2,10 +2,16 @@
 
     relserve serve [--config FILE] [--host HOST] [--port 50051] [--metrics-port 8002]
                    [--model NAME=DIR[,key=value...]]... [--drain-timeout SECONDS] [--log-level LEVEL]
+                   [--compute-scheduling partition|fair|shared]
+                   [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE]
+                   [--no-reflection] [--metrics-host HOST] [--health-port PORT [--health-host HOST]]
+                   [--max-connection-age S] [--max-connection-age-grace S] [--keepalive-time S]
+                   [--keepalive-timeout S] [--keepalive-min-ping-interval S] [--[no-]keepalive-permit-without-calls]
     relserve export CHECKPOINT_DIR OUT_DIR [--opset 18] [--no-parity]   (see relserve.models.onnx.cli)
 
-Exit codes: 0 after a clean drain (SIGTERM/SIGINT), 1 when a model fails to load or the port cannot be
-bound, 2 for a configuration error.
+Exit codes: 0 after a drain (SIGTERM/SIGINT; calls still running at drain_timeout end UNAVAILABLE), 1 when a
+model fails to load, the port cannot be bound, the drain hangs past drain_timeout + 0.45 s or a second
+signal arrives during it, 2 for a configuration error.
 """
 
 from __future__ import annotations
@@ -18,9 +24,12 @@ import signal
 import sys
 from typing import Sequence
 
-from .config import ConfigError, ServerConfig, load_config
+from .config import COMPUTE_SCHEDULING, ConfigError, ServerConfig, load_config
 
 log = logging.getLogger("relserve")
+
+EXIT_MARGIN_S = 0.45   # after drain_timeout the deadline thread ends the process (promise: within + 0.5 s)
+EXIT_LINGER_S = 0.1    # after a drain that finished early: time for the last replies to leave the buffers
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +47,42 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--drain-timeout", type=float, help="seconds to let in-flight requests finish on SIGTERM")
     serve.add_argument("--max-message-bytes", type=int,
                        help="max gRPC message size both ways (default 4194304)")
+    conn = serve.add_argument_group("connection management (seconds; see the config keys of the same names)")
+    conn.add_argument("--max-connection-age", type=float, metavar="S",
+                      help="GOAWAY to each connection after S (default 300; 0: off): clients reconnect and "
+                           "re-resolve DNS, so they reach replicas added later")
+    conn.add_argument("--max-connection-age-grace", type=float, metavar="S",
+                      help="in-flight calls' time after that GOAWAY before the connection closes (default 30)")
+    conn.add_argument("--keepalive-time", type=float, metavar="S",
+                      help="server keepalive ping interval (default 60; 0: no pings)")
+    conn.add_argument("--keepalive-timeout", type=float, metavar="S",
+                      help="drop a connection whose ping is unanswered this long (default 20)")
+    conn.add_argument("--keepalive-min-ping-interval", type=float, metavar="S",
+                      help="shortest client keepalive interval accepted (default 10; faster clients get "
+                           "GOAWAY too_many_pings)")
+    conn.add_argument("--keepalive-permit-without-calls", action=argparse.BooleanOptionalAction, default=None,
+                      help="clients may ping connections without open calls (default: yes)")
     serve.add_argument("--log-level", help="DEBUG, INFO, WARNING, ... (default INFO)")
+    serve.add_argument("--compute-scheduling", choices=COMPUTE_SCHEDULING,
+                       help="how models share the cores: partition (default; models compute concurrently, each "
+                            "call on cores // active models threads), fair (one model's backend call at a time, models in turn) "
+                            "or shared (no coordination)")
+    security = serve.add_argument_group("transport security and auth")
+    security.add_argument("--tls-cert", metavar="FILE", help="PEM certificate chain: serve gRPC over TLS "
+                                                            "(needs --tls-key)")
+    security.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert (unencrypted)")
+    security.add_argument("--tls-client-ca", metavar="FILE",
+                          help="PEM CA bundle: require client certificates signed by it (mTLS; needs TLS)")
+    security.add_argument("--auth-token-file", metavar="FILE",
+                          help="bearer tokens, one per line: calls without 'authorization: Bearer <token>' "
+                               "are UNAUTHENTICATED (health checks stay open unless auth_health: true)")
+    security.add_argument("--no-reflection", dest="reflection", action="store_const", const=False, default=None,
+                          help="do not serve grpc.reflection (config key reflection: false)")
+    security.add_argument("--metrics-host", metavar="HOST", help="address of the /metrics server (default: --host)")
+    security.add_argument("--health-port", type=int, metavar="PORT",
+                          help="also serve grpc.health.v1 alone, in plaintext, on PORT (for kubelet probes "
+                               "when TLS or auth is on; 0 picks a free port)")
+    security.add_argument("--health-host", metavar="HOST", help="address of --health-port (default: --host)")
     sub.add_parser("export", add_help=False, help="export a checkpoint to ONNX (custom relative-position ops) "
                                                   "with a parity report against torch (see export --help)")
     sub.add_parser("loadtest", add_help=False,
@@ -56,22 +100,57 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         "metrics_port": args.metrics_port,
         "drain_timeout": args.drain_timeout,
         "log_level": args.log_level,
+        "compute_scheduling": args.compute_scheduling,
         "max_receive_message_length": args.max_message_bytes,
         "max_send_message_length": args.max_message_bytes,
+        "max_connection_age": args.max_connection_age,
+        "max_connection_age_grace": args.max_connection_age_grace,
+        "keepalive_time": args.keepalive_time,
+        "keepalive_timeout": args.keepalive_timeout,
+        "keepalive_min_ping_interval": args.keepalive_min_ping_interval,
+        "keepalive_permit_without_calls": args.keepalive_permit_without_calls,
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+        "tls_client_ca": args.tls_client_ca,
+        "auth_token_file": args.auth_token_file,
+        "reflection": args.reflection,
+        "metrics_host": args.metrics_host,
+        "health_port": args.health_port,
+        "health_host": args.health_host,
     }
     return load_config(args.config, overrides=overrides, model_specs=args.model)
 
 
 async def serve(config: ServerConfig, runners=None) -> int:
-    """Run a server until SIGTERM/SIGINT, then drain. Returns the process exit code."""
+    """Run a server until SIGTERM/SIGINT, drain, then end the process.
+
+    The drain is ``InferenceServer.drain`` (service/drain.py has the sequence): late calls get UNAVAILABLE,
+    health NOT_SERVING, running calls get up to ``drain_timeout``, Watch streams end. Then the process
+    exits at once (``drain.exit_now``, code 0) instead of stopping the gRPC server, whose stop would reset
+    calls that arrived in its last millisecond (CANCELLED at the client); the exit closes the connections,
+    so such calls end UNAVAILABLE. A deadline thread ends the process (code 1) ``EXIT_MARGIN_S`` after
+    ``drain_timeout`` whatever hangs, and so does a second signal.
+
+    Returns:
+        1 when the port cannot be bound or a model fails to load (nothing was served); after a signal this
+        function does not return.
+    """
+    from .drain import ExitDeadline, exit_now
     from .server import InferenceServer
 
     server = InferenceServer(config, runners)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            log.warning("second signal during the drain: exiting now")
+            exit_now(1)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError):  # pragma: no cover - non-main thread / platform
             pass
     try:
@@ -89,13 +168,18 @@ async def serve(config: ServerConfig, runners=None) -> int:
         await server.stop(0)
         return 1
     await stopping
+    ExitDeadline(config.drain_timeout + EXIT_MARGIN_S, code=1).start()
+    t0 = loop.time()
     log.info("signal received: health NOT_SERVING, draining (timeout %.1f s)", config.drain_timeout)
-    if not loading.done():
-        server.registry.draining = True  # type: ignore[union-attr]
-    await server.stop(config.drain_timeout)
-    if not loading.done():
-        loading.cancel()
-    return 0
+    finished = await server.drain(config.drain_timeout)  # also keeps a model still loading from going SERVING
+    await server.close_runners()
+    # Replies written just now may still sit in socket buffers, and closing a socket that has unread input
+    # (a late call) resets the connection and drops them: give them a moment if the deadline allows.
+    await asyncio.sleep(max(0.0, min(EXIT_LINGER_S, config.drain_timeout - (loop.time() - t0))))
+    log.info("drained in %.2f s (%s); exiting", loop.time() - t0,
+             "every request answered" if finished else "requests still running at the deadline ended UNAVAILABLE")
+    exit_now(0)
+    return 0  # pragma: no cover - exit_now does not return
 
 
 # Subcommand -> what it trains; each is relserve.models.training.<name after "train-">.main(argv).

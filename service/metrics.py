@@ -4,19 +4,31 @@ Metrics live in the default registry, so the client's process collector (``proce
 memory, CPU seconds, open fds) is exposed next to them. They are created once per process at import;
 several servers in one process (tests) share them, told apart by the ``model`` label.
 
-Exposed at ``http://<host>:<metrics_port>/metrics`` by :func:`start_http`.
+Exposed at ``http://<metrics_host>:<metrics_port>/metrics`` by :func:`start_http`, which serves that one
+path (every other path is 404: the port is not a health endpoint and must not look like one).
 """
 
 from __future__ import annotations
 
+import gzip
+import logging
+import socket
+import sys
 import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Iterable
+from urllib.parse import parse_qs, urlsplit
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.core import GaugeMetricFamily
+
+log = logging.getLogger(__name__)
 
 # Buckets, defined once.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# refusals should take well under 10 ms (issue 10's target is p99 < 10 ms): finer steps below that
+REJECTION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 BATCH_TOKENS_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
@@ -28,6 +40,11 @@ REQUESTS = Counter(
 REQUEST_DURATION = Histogram(
     "relserve_request_duration_seconds", "RPC time from arrival to reply", ["model", "task"],
     buckets=LATENCY_BUCKETS,
+)
+REJECTION_DURATION = Histogram(
+    "relserve_rejection_duration_seconds",
+    "RPC time from arrival to a RESOURCE_EXHAUSTED status (queue full or over a size limit)", ["model", "task"],
+    buckets=REJECTION_BUCKETS,
 )
 QUEUE_DURATION = Histogram(
     "relserve_queue_duration_seconds", "Time a sequence waited in the batch queue", ["model"],
@@ -120,6 +137,8 @@ REGISTRY.register(_GPU)
 def observe_request(model: str, task: str, code: str, seconds: float) -> None:
     REQUESTS.labels(model, task, code).inc()
     REQUEST_DURATION.labels(model, task).observe(seconds)
+    if code == "RESOURCE_EXHAUSTED":
+        REJECTION_DURATION.labels(model, task).observe(seconds)
 
 
 def inflight(model: str, delta: int) -> None:
@@ -174,16 +193,84 @@ def remove_memory_source(source: MemorySource) -> None:
     _GPU.remove(source)
 
 
+def count_refused(task: str, code: str) -> None:
+    """A call refused before any handler ran (e.g. UNAUTHENTICATED): counted in relserve_requests_total with
+    model ``_unknown_`` (the request was never decoded), no duration observed."""
+    REQUESTS.labels(UNKNOWN_MODEL, task, code).inc()
+
+
+METRICS_PATH = "/metrics"
+_NOT_FOUND = b"404 not found: this port serves only /metrics\n"
+
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    """GET / HEAD ``/metrics``: the default registry in the exposition format the scraper's Accept header asks
+    for (prometheus_client's ``choose_encoder``; gzip when accepted; ``?name[]=`` filters as in
+    prometheus_client's own handler). Any other path: 404. Other methods: http.server's 501."""
+
+    server_version = "relserve-metrics"
+    timeout = 10  # seconds per connection: an idle client must not hold a handler thread for ever
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self._reply(body=True)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._reply(body=False)
+
+    def _reply(self, body: bool) -> None:
+        url = urlsplit(self.path)
+        if url.path != METRICS_PATH:
+            status, content_type, output, encoding = 404, "text/plain; charset=utf-8", _NOT_FOUND, None
+        else:
+            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+            names = parse_qs(url.query).get("name[]")
+            output = encoder(REGISTRY.restricted_registry(names) if names else REGISTRY)
+            status, encoding = 200, None
+            if gzip_accepted(self.headers.get("Accept-Encoding", "")):
+                output, encoding = gzip.compress(output), "gzip"
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        if encoding:
+            self.send_header("Content-Encoding", encoding)
+        self.send_header("Content-Length", str(len(output)))
+        self.end_headers()
+        if body:
+            self.wfile.write(output)
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - one line per scrape would flood the log
+        pass
+
+
+class _MetricsServer(ThreadingHTTPServer):
+    daemon_threads = True  # a scrape in progress never holds up process exit
+
+    def handle_error(self, request, client_address) -> None:
+        """socketserver's default prints a traceback to stderr for every failed connection, so any client that
+        resets its connection (a port scan, an aborted scrape) could flood the log with 15 lines a time. A client
+        going away is not an error; anything else is one log line without a traceback."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            return
+        log.warning("metrics request from %s failed: %s: %s", client_address[0], type(exc).__name__,
+                    str(exc)[:200])
+
+
 def start_http(port: int, addr: str = "0.0.0.0"):
-    """Serve /metrics on ``addr:port`` (0 picks a free port). Returns ``(server, bound_port)``;
-    stop it with ``server.shutdown()``.
+    """Serve ``/metrics`` (only; 404 elsewhere) on ``addr:port`` (0 picks a free port; IPv4 or IPv6 address
+    or host name) from a daemon thread. Returns ``(server, bound_port)``; stop it with ``server.shutdown()``
+    then ``server.server_close()``.
 
     Raises:
-        RuntimeError: the port could not be bound (message names the address).
+        RuntimeError: the address does not resolve or the port could not be bound (message names both).
     """
     try:
-        server, _thread = start_http_server(port, addr=addr)
+        family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        server_class = type("_MetricsServerFamily", (_MetricsServer,), {"address_family": family})
+        server = server_class((addr, port), _MetricsHandler)
     except OSError as exc:
         raise RuntimeError(f"cannot bind metrics port {addr}:{port}: {exc.strerror or exc}; "
-                           f"choose another --metrics-port (-1 disables metrics)") from None
+                           f"choose another --metrics-port / --metrics-host (-1 disables metrics)") from None
+    # poll_interval bounds how long shutdown() waits (http.server's default 0.5 s would eat into the drain budget)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="relserve-metrics",
+                     daemon=True).start()
     return server, server.server_port

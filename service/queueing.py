@@ -11,10 +11,12 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from typing import Any, Callable, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, TypeVar
 
 from .errors import DeadlineExceeded, Internal, RelserveError, Unavailable
 
+if TYPE_CHECKING:
+    from .compute import Lane
 
 
 class QueuedUnit(Protocol):
@@ -128,6 +130,34 @@ async def linger(wake: asyncio.Event, until: Callable[[], float], full: Callable
             return
 
 
+class Reservation:
+    """Queue places a request holds while it is being tokenized (``Batcher.reserve``, ``DecodeLoop.reserve``).
+
+    They count against ``max_queue_size`` as if the request's units were already waiting, so concurrent
+    requests that are still tokenizing cannot all be admitted into one free place, and a request the queue
+    cannot take is refused before any tokenizing. ``submit(..., reservation=r)`` consumes them; ``release()``
+    gives them back (idempotent), as does leaving a ``with`` block, so an error or a cancellation while
+    tokenizing frees them.
+    """
+
+    __slots__ = ("places", "_give_back")
+
+    def __init__(self, places: int, give_back: Callable[[int], None]) -> None:
+        self.places = places
+        self._give_back = give_back
+
+    def release(self) -> None:
+        if self.places:
+            n, self.places = self.places, 0
+            self._give_back(n)
+
+    def __enter__(self) -> "Reservation":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
 def model_executor(name: str) -> concurrent.futures.ThreadPoolExecutor:
     """The model's own single backend thread (the event loop never runs the backend)."""
     return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"relserve-{name}")
@@ -152,16 +182,19 @@ async def call_backend(
     what: str,
     mismatch: Callable[[int], str],
     log: logging.Logger,
+    lane: "Lane | None" = None,
 ) -> tuple[list[Any], bool]:
     """Run ``fn(arg)`` in the model's thread; returns (one result or Exception per member, whether it failed).
 
-    If ``fn`` raises, or returns a number of results other than ``len(members)`` (``mismatch(n)`` is the
-    message), every member gets the same error and no other unit is touched; an unexpected exception becomes
-    :class:`Internal` naming ``what`` and is logged. When the caller is cancelled (shutdown) the members
-    fail with UNAVAILABLE and the cancellation propagates.
+    With a ``lane`` (``service/compute.py``) the call runs holding the process's compute slot: in the
+    thread it first waits for its turn. If ``fn`` raises, or returns a number of results other than
+    ``len(members)`` (``mismatch(n)`` is the message), every member gets the same error and no other unit
+    is touched; an unexpected exception becomes :class:`Internal` naming ``what`` and is logged. When the
+    caller is cancelled (shutdown) the members fail with UNAVAILABLE and the cancellation propagates.
     """
+    call: Callable[[Any], Any] = fn if lane is None else (lambda a: lane.run(fn, a))
     try:
-        results = list(await asyncio.get_running_loop().run_in_executor(executor, fn, arg))
+        results = list(await asyncio.get_running_loop().run_in_executor(executor, call, arg))
         if len(results) != len(members):
             raise Internal(mismatch(len(results)))
     except asyncio.CancelledError:
@@ -171,6 +204,47 @@ async def call_backend(
     except Exception as exc:
         return [as_error(exc, name, what, log)] * len(members), True
     return results, False
+
+
+def live_only(
+    members: Sequence[QueuedUnit],
+    fn: Callable[[Any], Sequence[Any]],
+    select: Callable[[Any, list[int]], Any],
+    name: str,
+) -> Callable[[Any], Sequence[Any]]:
+    """``fn`` for members that may have waited for the compute slot: when it runs (in the model's thread,
+    holding the slot), members whose reply slot is done (cancelled, or another unit of the request failed)
+    are left out and expired ones get :class:`DeadlineExceeded`; ``fn`` gets ``select(arg, live indices)``
+    and its results are spread back to one per member (the left-out ones get an error nobody reads). With
+    no live member ``fn`` is not called. Reading ``future.done()`` from the backend thread is a plain
+    attribute read; a cancellation that lands just after it costs one computation, as before.
+    """
+
+    def call(arg: Any) -> Sequence[Any]:
+        now = time.monotonic()
+        out: list[Any] = [None] * len(members)
+        live: list[int] = []
+        for i, u in enumerate(members):
+            if u.future.done():
+                out[i] = Unavailable(f"model {name!r}: request gone before compute")
+            elif u.deadline is not None and u.deadline <= now:
+                out[i] = DeadlineExceeded(
+                    f"deadline passed after {now - u.enqueued_at:.3f} s in the queue of model {name!r}, "
+                    f"while waiting for the cores"
+                )
+            else:
+                live.append(i)
+        if len(live) == len(members):
+            return fn(arg)
+        if live:
+            results = list(fn(select(arg, live)))
+            if len(results) != len(live):
+                raise Internal(f"backend of model {name!r} returned {len(results)} results for {len(live)} inputs")
+            for i, res in zip(live, results):
+                out[i] = res
+        return out
+
+    return call
 
 
 def as_error(exc: BaseException, name: str, what: str, log: logging.Logger) -> RelserveError:

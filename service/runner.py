@@ -14,6 +14,8 @@ No torch here: the backend is reached through the contracts in :mod:`relserve.se
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,13 +26,22 @@ import numpy as np
 from . import metrics
 from .backends.base import TASK_QA, Backend, ModelMeta
 from .batcher import Batcher, BatchStats, Unit
-from .config import ModelConfig
+from .compute import ComputeScheduler, Lane
+from .config import ModelConfig, check_doc_stride
 from .errors import ConfigError, Internal, InvalidArgument, Unavailable
 from relserve.models import qa_spans
+from relserve.models.tokenization import DocStrideTooLarge, TooManyWindows, qa_window_count
 
 from .tasks import classify
 
 log = logging.getLogger(__name__)
+
+# Threads per model for tokenizing (its own pool: a long tokenization never waits for, or holds up, another
+# model's; two, so one long request of a model does not hold up its short ones).
+TOKENIZATION_THREADS = 2
+# Characters per token assumed when estimating a QA request's windows from its length, before tokenizing (for
+# the queue reservation; prose runs about 4-5 per token with the default vocabularies).
+QA_ESTIMATE_CHARS_PER_TOKEN = 4
 
 
 class TaskProcessing(Protocol):
@@ -41,8 +52,8 @@ class TaskProcessing(Protocol):
 
     def classify_postprocess(self, logits: Any, meta: ModelMeta, top_k: int) -> list[tuple[str, float]]: ...
 
-    def qa_windows(self, tokenizer: Any, question: str, context: str, max_seq_len: int,
-                   doc_stride: int) -> list[Any]: ...
+    def qa_windows(self, tokenizer: Any, question: str, context: str, max_seq_len: int, doc_stride: int, *,
+                   max_windows: int | None = None, clamp_stride: bool = False) -> list[Any]: ...
 
     def qa_best_answers(self, windows: Sequence[Any], logits: Sequence[tuple[Any, Any]], context: str, *,
                         top_k: int, max_answer_len: int, allow_impossible: bool,
@@ -60,8 +71,10 @@ class DefaultTaskProcessing:
         id2label = {i: label for i, label in enumerate(meta.labels)}
         return classify.postprocess(logits, id2label, meta.problem_type, top_k)
 
-    def qa_windows(self, tokenizer, question, context, max_seq_len, doc_stride):
-        return tokenizer.qa_windows(question, context, max_seq_len, doc_stride)
+    def qa_windows(self, tokenizer, question, context, max_seq_len, doc_stride, *, max_windows=None,
+                   clamp_stride=False):
+        return tokenizer.qa_windows(question, context, max_seq_len, doc_stride, max_windows=max_windows,
+                                    clamp_stride=clamp_stride)
 
     def qa_best_answers(self, windows, logits, context, *, top_k, max_answer_len, allow_impossible,
                         null_threshold):
@@ -148,6 +161,10 @@ class Runner:
         self.max_seq_len = 0  # tokens per sequence fed to the model (translation: max_source_tokens)
         self.state = "created"
         self.scheduler: Any = None
+        self._tokenization: concurrent.futures.ThreadPoolExecutor | None = None  # this model's, from start()
+        # the server's compute scheduler (set by InferenceServer before start; None: the model computes
+        # without coordinating with other models)
+        self.compute: ComputeScheduler | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -178,6 +195,8 @@ class Runner:
             raise RuntimeError(f"model {self.name!r}: start() before load()")
         self.scheduler = self._make_scheduler()
         self.scheduler.start()
+        self._tokenization = concurrent.futures.ThreadPoolExecutor(
+            max_workers=TOKENIZATION_THREADS, thread_name_prefix=f"relserve-tok-{self.name}")
         m = self.meta
         metrics.set_model_info(self.name, m.family, m.task, m.backend, m.device, m.dtype)
         metrics.add_memory_source(self.backend.memory_stats)
@@ -188,6 +207,9 @@ class Runner:
         self.state = "closed"
         if self.scheduler is not None:
             await self.scheduler.close()
+        if self._tokenization is not None:
+            self._tokenization.shutdown(wait=False, cancel_futures=True)
+            self._tokenization = None
         metrics.remove_memory_source(self.backend.memory_stats)
         try:
             self.backend.close()
@@ -200,6 +222,29 @@ class Runner:
 
     def _make_scheduler(self) -> Any:
         raise NotImplementedError
+
+    async def _tokenize(self, fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+        """``fn(*args, **kwargs)`` in this model's tokenization threads (never on the event loop, never in a
+        pool another model shares); returns (its result, seconds) and records the tokenization metric.
+
+        Raises:
+            Unavailable: the model is closed.
+            whatever ``fn`` raises.
+        """
+        pool = self._tokenization
+        if pool is None:
+            raise Unavailable(f"model {self.name!r} is not ready (state: {self.state}); retry later")
+        t0 = time.monotonic()
+        result = await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kwargs))
+        seconds = time.monotonic() - t0
+        metrics.observe_tokenization(self.name, seconds)
+        return result, seconds
+
+    def _compute_lane(self) -> Lane | None:
+        """This model's handle on the server's compute scheduler, capped at ``max_batch_time_ms``."""
+        if self.compute is None:
+            return None
+        return self.compute.lane(self.name, max_hold=self.config.max_batch_time_ms / 1000.0)
 
     @property
     def ready(self) -> bool:
@@ -253,11 +298,8 @@ class ModelRunner(Runner):
 
     def _check_loaded(self, meta: ModelMeta) -> None:
         self.max_seq_len = self.config.resolved_max_seq_len(meta.max_positions)
-        if self.config.doc_stride >= self.max_seq_len and meta.task == TASK_QA:
-            raise ConfigError(
-                f"model {self.name!r}: doc_stride {self.config.doc_stride} must be smaller than "
-                f"max_seq_len {self.max_seq_len}"
-            )
+        if meta.task == TASK_QA:
+            check_doc_stride(f"model {self.name!r}", self.config.doc_stride, self.max_seq_len)
         if self.config.max_batch_tokens < self.max_seq_len:
             raise ConfigError(
                 f"model {self.name!r}: max_batch_tokens {self.config.max_batch_tokens} must be >= "
@@ -276,8 +318,10 @@ class ModelRunner(Runner):
             max_queue_size=self.config.max_queue_size,
             is_padded=self.backend.is_padded,
             length_bucketing=self.config.length_bucketing,
+            max_request_batch_share=self.config.max_request_batch_share,
             on_queue_depth=lambda n: metrics.set_queue_depth(self.name, n),
             on_batch=self._observe_batch,
+            compute=self._compute_lane(),
         )
 
     def _observe_batch(self, stats: BatchStats) -> None:
@@ -288,17 +332,22 @@ class ModelRunner(Runner):
 
     async def classify(self, texts: Sequence[str], pairs: Sequence[str] | None, top_k: int,
                        deadline: float | None) -> tuple[list[ClassifyItem], Timings]:
+        """Classify validated texts (and pairs): one item per text, in order.
+
+        Admission before work: the request's places (one per text) are reserved in the batcher before any
+        tokenizing, so a full queue refuses it (RESOURCE_EXHAUSTED) at no tokenizing cost; the reservation
+        is released on any error or cancellation.
+        """
         batcher = self._check_ready()
         assert self.meta is not None
         timings = Timings()
-        t0 = time.monotonic()
-        encodings = await asyncio.to_thread(
-            self.tasks.classify_preprocess, self.meta.tokenizer, list(texts), list(pairs) if pairs else None,
-            self.max_seq_len,
-        )
-        timings.tokenization_s = time.monotonic() - t0
-        metrics.observe_tokenization(self.name, timings.tokenization_s)
-        units = await batcher.run([(len(e.input_ids), e) for e in encodings], deadline)
+        with batcher.reserve(len(texts), deadline) as reservation:
+            encodings, timings.tokenization_s = await self._tokenize(
+                self.tasks.classify_preprocess, self.meta.tokenizer, list(texts), list(pairs) if pairs else None,
+                self.max_seq_len,
+            )
+            units = batcher.submit([(len(e.input_ids), e) for e in encodings], deadline, reservation)
+        units = await batcher.wait(units, deadline)
         timings.add_units(units)
         items = []
         for enc, unit in zip(encodings, units):
@@ -310,20 +359,40 @@ class ModelRunner(Runner):
         return items, timings
 
     async def answer(self, question: str, context: str, *, top_k: int, max_answer_len: int, doc_stride: int,
-                     allow_impossible: bool, null_threshold: float, deadline: float | None) -> AnswerResult:
+                     allow_impossible: bool, null_threshold: float, deadline: float | None,
+                     clamp_stride: bool = False) -> AnswerResult:
+        """Answer a validated question over ``context`` (stride windows of ``max_seq_len`` overlapping by
+        ``doc_stride`` tokens; ``clamp_stride``: it is the config's default, lowered for a long question).
+
+        Bounded work: the window count is estimated from the context's length and reserved in the batcher
+        before tokenizing (a full queue refuses at no cost); the tokenizer then tokenizes only as much of the
+        context as it takes to prove it needs more than ``max_qa_windows`` windows, before building any.
+
+        Raises:
+            InvalidArgument: ``doc_stride`` over this question's limit, or more than ``max_qa_windows`` windows
+                (each naming the limit).
+            RelserveError: from the batcher (queue full, deadline, shutting down, model failure).
+        """
         batcher = self._check_ready()
         assert self.meta is not None
         timings = Timings()
-        t0 = time.monotonic()
-        try:
-            windows = await asyncio.to_thread(
-                self.tasks.qa_windows, self.meta.tokenizer, question, context, self.max_seq_len, doc_stride
-            )
-        except ValueError as exc:  # the tokenizer's range checks (e.g. stride / length)
-            raise InvalidArgument(str(exc)) from None
-        timings.tokenization_s = time.monotonic() - t0
-        metrics.observe_tokenization(self.name, timings.tokenization_s)
-        units = await batcher.run([(len(w.input_ids), w) for w in windows], deadline)
+        limit = self.config.max_qa_windows
+        with batcher.reserve(self._estimated_windows(question, context, doc_stride), deadline) as reservation:
+            try:
+                windows, timings.tokenization_s = await self._tokenize(
+                    self.tasks.qa_windows, self.meta.tokenizer, question, context, self.max_seq_len, doc_stride,
+                    max_windows=limit, clamp_stride=clamp_stride,
+                )
+            except TooManyWindows as exc:
+                raise InvalidArgument(f"context too long for model {self.name!r} (max_qa_windows {limit}): {exc}; "
+                                      f"send a shorter context") from None
+            except DocStrideTooLarge as exc:
+                raise InvalidArgument(f"{exc}; send a doc_stride of at most {exc.limit} (0 = the model's "
+                                      f"default)") from None
+            except ValueError as exc:  # the tokenizer's other range checks
+                raise InvalidArgument(str(exc)) from None
+            units = batcher.submit([(len(w.input_ids), w) for w in windows], deadline, reservation)
+        units = await batcher.wait(units, deadline)
         timings.add_units(units)
         logits = [unit.result for unit in units]
         for start, end in logits:
@@ -334,6 +403,16 @@ class ModelRunner(Runner):
             allow_impossible=allow_impossible, null_threshold=null_threshold,
         )
         return AnswerResult([_as_answer(a) for a in raw], len(windows), timings)
+
+
+    def _estimated_windows(self, question: str, context: str, doc_stride: int) -> int:
+        """The windows a QA request will need, from its lengths alone (``QA_ESTIMATE_CHARS_PER_TOKEN``), at
+        most ``max_qa_windows``: what :meth:`answer` reserves before tokenizing."""
+        max_q = (self.max_seq_len - 3) // 2
+        room = self.max_seq_len - 3 - min(max_q, max(1, len(question) // QA_ESTIMATE_CHARS_PER_TOKEN))
+        step = room - min(doc_stride, room // 2)
+        tokens = len(context) // QA_ESTIMATE_CHARS_PER_TOKEN
+        return min(self.config.max_qa_windows, qa_window_count(tokens, room, step))
 
 
 def _all_finite(values: Any) -> bool:

@@ -1,5 +1,11 @@
 """The grpc.aio server: Inference + health + reflection, metrics over HTTP, load/warm-up, drain.
 
+Security (keys in service/config.py, mechanics in service/auth.py): TLS or mTLS on the gRPC port, bearer
+tokens checked by an interceptor before any request is decoded (health open unless ``auth_health``;
+reflection, when on, needs the token), and an optional plaintext listener serving only grpc.health.v1
+(``health_port``) for probes that speak neither TLS nor tokens; it shares the HealthServicer, so drain
+flips both.
+
 Seam for tests: ``InferenceServer(config, runners=[ModelRunner(model_cfg, FakeBackend(), tasks=...)])``
 serves pre-built runners instead of building torch backends from ``config.models``.
 
@@ -9,7 +15,11 @@ Lifecycle::
     await server.start()                   # port bound, health NOT_SERVING, /metrics up
     await server.load_models()             # load + warm-up every model, then health SERVING
     ...
-    await server.stop(grace)               # NOT_SERVING, refuse new RPCs, drain, close models
+    await server.stop(grace)               # drain (service/drain.py), stop gRPC, close models
+                                           # (relserve serve: drain(), close_runners(), then the process exits)
+
+Connections: ``connection_options`` turns the connection-management keys (max_connection_age, keepalive)
+into grpc channel arguments of the main server.
 """
 
 from __future__ import annotations
@@ -22,15 +32,36 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from . import metrics
+from . import auth, compute, metrics
 from .api import SERVICE_NAME, InferenceServicer, add_to_server
+from .compute import ComputeScheduler
 from .config import ServerConfig
+from .drain import InflightCalls
+from .health import HealthServicer
 from .registry import ModelRegistry, build_runner
 from .runner import Runner
 
 log = logging.getLogger(__name__)
 
 HEALTH_SERVICES = ("", SERVICE_NAME)
+# After the drain deadline: how long closed models' calls get to send their UNAVAILABLE, and Watch streams
+# their end (the process must exit within drain_timeout + 0.5 s, service/drain.py).
+CUTOFF_S = 0.15
+# Task labels of calls refused before a handler ran, for services other than Inference.
+_REFUSED_TASKS = {health.SERVICE_NAME: "health", reflection.SERVICE_NAME: "reflection"}
+
+
+def refused_task(method: str) -> str:
+    """The ``task`` label for a refused call to ``method`` (``/package.Service/Method``): the Inference RPC's
+    task, ``health``, ``reflection``, else ``_unknown_`` (the method name is client input: labels stay bounded)."""
+    service, _, name = method.lstrip("/").partition("/")
+    if service == SERVICE_NAME:
+        return getattr(getattr(InferenceServicer, name, None), "task", metrics.UNKNOWN_MODEL)
+    return _REFUSED_TASKS.get(service, metrics.UNKNOWN_MODEL)
+
+
+def _count_unauthenticated(method: str) -> None:
+    metrics.count_refused(refused_task(method), grpc.StatusCode.UNAUTHENTICATED.name)
 
 
 class InferenceServer:
@@ -43,7 +74,13 @@ class InferenceServer:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._metrics_http = None
+        self.health_port: int | None = None  # the plaintext health-only listener (health_port), when on
+        self._health_server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
+        self._inflight = InflightCalls(f"/{SERVICE_NAME}/")  # what a drain waits for
+        self._runners_closed = False
+        # one per process: how the models' backend calls share the cores (compute_scheduling)
+        self.compute = ComputeScheduler(config.compute_scheduling)
 
     @property
     def runners(self) -> list[Runner]:
@@ -53,40 +90,67 @@ class InferenceServer:
         """Bind and start serving (health NOT_SERVING until :meth:`load_models` finishes). Returns the port.
 
         Raises:
-            RuntimeError: the gRPC or the metrics port could not be bound.
+            RuntimeError: the gRPC, health-only or metrics port could not be bound.
+            ConfigError: a TLS or token file is unreadable or wrong (checked before anything is bound).
         """
         cfg = self.config
+        credentials = (auth.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+                       if cfg.tls_cert is not None and cfg.tls_key is not None else None)
+        interceptors = []
+        if cfg.auth_token_file is not None:
+            # health stays open unless auth_health: kubelet gRPC probes cannot send metadata
+            interceptors.append(auth.TokenAuthInterceptor(
+                auth.read_tokens(cfg.auth_token_file), on_refused=_count_unauthenticated,
+                open_methods=() if cfg.auth_health else (f"/{health.SERVICE_NAME}/",)))
         if cfg.metrics_port is not None:  # bound first: a busy port then fails before any gRPC state exists
-            self._metrics_http, self.metrics_port = metrics.start_http(cfg.metrics_port, cfg.host)
-            log.info("metrics on http://%s:%d/metrics", cfg.host, self.metrics_port)
+            metrics_host = cfg.metrics_host or cfg.host
+            self._metrics_http, self.metrics_port = metrics.start_http(cfg.metrics_port, metrics_host)
+            log.info("metrics on http://%s:%d/metrics", metrics_host, self.metrics_port)
         runners = self._given_runners
         if runners is None:
-            runners = [build_runner(m) for m in cfg.models]
+            models = cfg.models
+            if cfg.compute_scheduling == "partition":  # ONNX Runtime pools get their share once; torch per call
+                models = compute.partition(models, self.compute.cores)
+                log.info("compute_scheduling partition over %d cores: torch threads max(1, cores // active "
+                         "models) per call; onnx_intra_op_threads %s", self.compute.cores,
+                         {m.name: m.onnx_intra_op_threads for m in models})
+            runners = [build_runner(m) for m in models]
+        for runner in runners:
+            runner.compute = self.compute
         self.registry = ModelRegistry(runners)
 
-        self.health = health.aio.HealthServicer()
+        self.health = HealthServicer()  # its Watch streams end when a drain has answered the in-flight calls
         for service in HEALTH_SERVICES:
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-        self.server = grpc.aio.server(options=[
+        self.server = grpc.aio.server(interceptors=[*interceptors, self._inflight], options=[
             ("grpc.max_receive_message_length", cfg.max_receive_message_length),
             ("grpc.max_send_message_length", cfg.max_send_message_length),
             ("grpc.so_reuseport", 0),
+            *connection_options(cfg),
         ])
         add_to_server(InferenceServicer(self.registry, cfg.max_send_message_length), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
-        )
-        address = f"{cfg.host}:{cfg.port}"
-        try:
-            self.port = self.server.add_insecure_port(address)
-        except RuntimeError as exc:
-            raise RuntimeError(f"cannot bind gRPC port {address}: {exc}") from None
-        if not self.port:
-            raise RuntimeError(f"cannot bind gRPC port {address}")
+        if cfg.reflection:
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+            )
+        self.port = _bind(self.server, f"{cfg.host}:{cfg.port}", "gRPC", credentials)
+        if cfg.health_port is not None:
+            # A second server with the same HealthServicer: drain flips both; nothing else is served there.
+            self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+            health_host = cfg.health_host or cfg.host
+            self.health_port = _bind(self._health_server, f"{health_host}:{cfg.health_port}", "health-only", None)
         await self.server.start()
-        log.info("gRPC bound on %s:%d (NOT_SERVING until models are warm)", cfg.host, self.port)
+        security = ("mTLS" if cfg.tls_client_ca is not None else "TLS") if credentials else "plaintext"
+        log.info("gRPC bound on %s:%d (%s, %s, reflection %s; NOT_SERVING until models are warm)", cfg.host,
+                 self.port, security, "bearer tokens" if interceptors else "no auth",
+                 "on" if cfg.reflection else "off")
+        if self._health_server is not None:
+            await self._health_server.start()
+            log.info("health-only listener (plaintext, grpc.health.v1 only) on %s:%d",
+                     cfg.health_host or cfg.host, self.health_port)
         return self.port
 
     async def load_models(self) -> None:
@@ -109,21 +173,62 @@ class InferenceServer:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving on %s:%d (models: %s)", self.config.host, self.port, ", ".join(self.registry.names()))
 
-    async def stop(self, grace: float | None = None) -> None:
-        """Drain: health NOT_SERVING, refuse new RPCs, let in-flight ones finish for ``grace`` seconds
-        (default ``drain_timeout``), then close the models and the metrics endpoint."""
-        if self._stopped.is_set():
-            return
-        grace = self.config.drain_timeout if grace is None else grace
+    async def drain(self, grace: float) -> bool:
+        """Steps 1-3 of the drain (see service/drain.py): new Inference calls get UNAVAILABLE and health turns
+        NOT_SERVING (Watch streams hear it at once); wait up to ``grace`` seconds for the running Inference
+        calls; if some still run then, close the models so they end UNAVAILABLE (not CANCELLED); then end the
+        Watch streams. The gRPC ports stay open throughout, so late calls are answered, not reset.
+
+        Returns:
+            whether every running call finished within ``grace``.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
         if self.registry is not None:
             self.registry.draining = True
         if self.health is not None:
             await self.health.enter_graceful_shutdown()
-        if self.server is not None:
-            log.info("draining: waiting up to %.1f s for in-flight requests", grace)
-            await self.server.stop(grace)
+        log.info("draining: waiting up to %.1f s for %d in-flight requests", grace, self._inflight.running)
+        finished = await self._inflight.wait_idle(deadline - loop.time())
+        if not finished:
+            log.warning("drain timeout: %d requests still running after %.1f s; closing the models, they end "
+                        "UNAVAILABLE", self._inflight.running, grace)
+            await self.close_runners()
+            await self._inflight.wait_idle(CUTOFF_S)
+        if self.health is not None:
+            watchers = self.health.watchers
+            if not await self.health.end_watches(max(CUTOFF_S, deadline - loop.time())):
+                log.warning("%d of %d health Watch streams did not end", self.health.watchers, watchers)
+        return finished
+
+    async def close_runners(self) -> None:
+        """Close every model once (queued and running work fails with UNAVAILABLE)."""
+        if self._runners_closed:
+            return
+        self._runners_closed = True
         for runner in self.runners:
             await runner.close()
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain (:meth:`drain`, ``grace`` seconds, default ``drain_timeout``), stop the gRPC server with what
+        is left of ``grace`` for other calls (e.g. reflection streams), then close the models and the
+        metrics endpoint.
+
+        grpc core's stop resets calls it has received but not yet handed to Python (their clients see
+        CANCELLED, grpc/grpc#41785); only calls arriving within about a millisecond of the stop meet that,
+        and the ``relserve serve`` process avoids it by exiting instead (service/main.py ``serve``).
+        """
+        if self._stopped.is_set():
+            return
+        grace = self.config.drain_timeout if grace is None else grace
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        await self.drain(grace)
+        if self.server is not None:
+            await self.server.stop(max(0.0, deadline - loop.time()))
+        if self._health_server is not None:  # after the main port: probes see NOT_SERVING while draining
+            await self._health_server.stop(0)
+        await self.close_runners()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
@@ -133,3 +238,50 @@ class InferenceServer:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
+
+
+_MAX_MS = 2**31 - 1  # grpc's time arguments are int32 milliseconds; this is also its "off"
+
+
+def _ms(seconds: float) -> int:
+    return min(_MAX_MS, max(0, round(seconds * 1000)))
+
+
+def connection_options(cfg: ServerConfig) -> list[tuple[str, int]]:
+    """grpc server channel arguments for connection management (config keys in service/config.py).
+
+    * ``max_connection_age`` (0: off) sends each connection a GOAWAY after that age (grpc adds +-10 %
+      jitter), ``max_connection_age_grace`` later it is closed: clients reconnect and re-resolve DNS, so
+      long-lived clients of a headless Service reach pods the autoscaler added.
+    * ``keepalive_time`` / ``keepalive_timeout``: the server pings each connection (0: no pings) and drops
+      it when the ping is not answered in time (half-open connections of vanished clients).
+    * ``keepalive_min_ping_interval`` and ``keepalive_permit_without_calls``: the client keepalive the
+      server accepts; a client pinging more often gets GOAWAY ``too_many_pings`` after two strikes.
+    """
+    age = cfg.max_connection_age
+    opts = [
+        ("grpc.keepalive_time_ms", _ms(cfg.keepalive_time) if cfg.keepalive_time > 0 else _MAX_MS),
+        ("grpc.keepalive_timeout_ms", _ms(cfg.keepalive_timeout)),
+        ("grpc.http2.min_ping_interval_without_data_ms", _ms(cfg.keepalive_min_ping_interval)),
+        ("grpc.keepalive_permit_without_calls", int(cfg.keepalive_permit_without_calls)),
+    ]
+    if age:
+        opts += [("grpc.max_connection_age_ms", _ms(age)),
+                 ("grpc.max_connection_age_grace_ms", _ms(cfg.max_connection_age_grace))]
+    return opts
+
+
+def _bind(server: grpc.aio.Server, address: str, what: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Add a TLS (``credentials``) or plaintext port; returns the bound port.
+
+    Raises:
+        RuntimeError: the address could not be bound (message names it).
+    """
+    try:
+        port = (server.add_secure_port(address, credentials) if credentials is not None
+                else server.add_insecure_port(address))
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot bind {what} port {address}: {exc}") from None
+    if not port:
+        raise RuntimeError(f"cannot bind {what} port {address}")
+    return port

@@ -84,15 +84,15 @@ class TranslationRunner(Runner):
             self.name, self.backend, scheduling=c.scheduling, max_active_hypotheses=c.max_active_hypotheses,
             max_batch_size=c.max_batch_size, max_batch_tokens=c.max_batch_tokens, max_queue_delay=c.max_queue_delay,
             max_queue_size=c.max_queue_size, observer=_Observer(self.name, self.backend.name),
+            compute=self._compute_lane(),
         )
 
     async def _encode(self, texts: Sequence[str]) -> list[list[int] | None]:
-        """Source ids per text (None for blank ones), checked against max_source_tokens."""
+        """Source ids per text (None for blank ones), checked against max_source_tokens, encoded in this model's
+        tokenization threads (only as much of a text as it takes to know it is too long)."""
         assert self.meta is not None
-        t0 = time.monotonic()
-        sources = await asyncio.to_thread(task.preprocess, self.meta.tokenizer, list(texts),
-                                          self.config.max_source_tokens, self.name)
-        metrics.observe_tokenization(self.name, time.monotonic() - t0)
+        sources, _seconds = await self._tokenize(task.preprocess, self.meta.tokenizer, list(texts),
+                                                 self.config.max_source_tokens, self.name)
         return sources
 
     # ------------------------------------------------------------------ requests
@@ -106,11 +106,12 @@ class TranslationRunner(Runner):
             RelserveError: from the decode loop (deadline, queue full, shutting down, model failure).
         """
         loop = self._check_ready()
-        sources = await self._encode(texts)
-        work = [(i, src) for i, src in enumerate(sources) if src is not None]
+        with loop.reserve(len(texts), deadline) as reservation:  # admission before encoding: one place per text
+            sources = await self._encode(texts)
+            work = [(i, src) for i, src in enumerate(sources) if src is not None]
+            seqs = loop.submit([(src, options) for _, src in work], deadline, reservation=reservation) if work else []
         results: list[list[Hypothesis] | None] = [None] * len(texts)
         if work:
-            seqs = loop.submit([(src, options) for _, src in work], deadline)
             await loop.wait(seqs, deadline)
             for (i, _), s in zip(work, seqs):
                 results[i] = s.result
@@ -121,18 +122,20 @@ class TranslationRunner(Runner):
         """The best live hypothesis after each decoder step (a slow reader gets the latest only), then the
         final result; same errors as :meth:`translate`."""
         loop = self._check_ready()
-        (src,) = await self._encode([text])
-        if src is None:
-            yield StreamEvent(text="", tokens=[], step=0, final=True, result=self._item(None, None, options))
-            return
-        assert self.meta is not None
-        tok = self.meta.tokenizer
         events: asyncio.Queue = asyncio.Queue()
 
         def on_update(update: SeqUpdate, step: int) -> None:
             events.put_nowait((step, update.best_tokens))
 
-        (seq,) = loop.submit([(src, options)], deadline, on_update=on_update)
+        with loop.reserve(1, deadline) as reservation:  # admission before encoding
+            (src,) = await self._encode([text])
+            if src is not None:
+                (seq,) = loop.submit([(src, options)], deadline, on_update=on_update, reservation=reservation)
+        if src is None:
+            yield StreamEvent(text="", tokens=[], step=0, final=True, result=self._item(None, None, options))
+            return
+        assert self.meta is not None
+        tok = self.meta.tokenizer
         seq.future.add_done_callback(lambda _f: events.put_nowait(None))
         try:
             while True:

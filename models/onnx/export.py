@@ -25,6 +25,7 @@ recorded per case against a tolerance of 1e-4.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -43,7 +44,7 @@ from torch import nn
 from ..checkpoint import checkpoint_hash, load_checkpoint
 from ..deberta import DebertaConfig
 from . import ops as onnx_ops
-from .runtime import EXPORT_VERSION, GRAPH_NAME, METADATA_CHECKPOINT, REPORT_NAME, make_session
+from .runtime import EXPORT_VERSION, GRAPH_NAME, METADATA_CHECKPOINT, REPORT_DIGESTS, REPORT_NAME, make_session
 DEFAULT_OPSET = 18
 PARITY_TOLERANCE = 1e-4
 SAMPLE_BATCH, SAMPLE_LENGTH = 2, 8
@@ -55,6 +56,7 @@ __all__ = [
     "graph_io_names",
     "export_model",
     "export_checkpoint",
+    "file_digests",
     "parity_report",
 ]
 
@@ -284,12 +286,28 @@ class ExportParityError(RuntimeError):
 STAGING_PREFIX = ".export-"
 
 
+def file_digests(directory: str | os.PathLike) -> dict[str, str]:
+    """``{file name: sha256 hex}`` of every file in ``directory`` but the export report: the graphs and any
+    external-data file next to them. The report records it (``file_sha256``) and the server checks it before
+    loading a graph (``service/backends/graph_cache.py``)."""
+    out = {}
+    for f in sorted(Path(directory).iterdir()):
+        if f.is_file() and f.name != REPORT_NAME:
+            h = hashlib.sha256()
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+            out[f.name] = h.hexdigest()
+    return out
+
+
 @contextlib.contextmanager
 def staged_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
     """A fresh hidden folder inside ``out_dir`` to export into. Its files replace those of ``out_dir`` only when
     the block succeeds, so a failed export never leaves a mix of old and new graphs that a server would pick
     up. On :class:`ExportParityError` the folder stays for inspection (the error names it); on any other
-    failure it is removed. A successful export also removes folders left by earlier failed ones."""
+    failure it is removed. A successful export also removes folders left by earlier failed ones. The files
+    lose any group/other write bit a umask such as 002 gave them: the server refuses such graph files."""
     final = Path(out_dir)
     final.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=final))
@@ -301,6 +319,7 @@ def staged_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     for f in sorted(tmp.iterdir()):
+        os.chmod(f, f.stat().st_mode & ~0o022)
         os.replace(f, final / f.name)
     tmp.rmdir()
     for old in final.glob(STAGING_PREFIX + "*"):
@@ -314,7 +333,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     """Load a checkpoint, export it to ``out_dir/model.onnx``, check it, write ``export_report.json``.
 
     The graph records the checkpoint's hash (:func:`checkpoint_hash`) in its metadata
-    (``relserve.checkpoint_sha256``), so a server can tell whose weights it carries. Files are written through
+    (``relserve.checkpoint_sha256``), so a server can tell whose weights it carries; the report records that
+    hash and the sha256 of the graph file (``file_sha256``, :func:`file_digests`). Files are written through
     :func:`staged_dir`. ``loaded`` may pass an already loaded ``LoadedCheckpoint`` (the server's ONNX backend
     does).
 
@@ -359,6 +379,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
             "custom_domain": onnx_ops.DOMAIN,
             "custom_ops": custom,
             "graph_bytes": graph.stat().st_size,
+            REPORT_DIGESTS: file_digests(out),
             "export_seconds": round(t_export, 2),
         }
         if parity:

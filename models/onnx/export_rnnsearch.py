@@ -47,9 +47,9 @@ from ..checkpoint import checkpoint_hash, encoder_kind, load_translation_checkpo
 from ..decoding import DecodeOptions, beam_search
 from ..rnnsearch import BiGRUEncoder, RNNSearch
 from . import ops as onnx_ops
-from .export import ExportParityError, check_opset, dynamo_export, staged_dir
-from .runtime import (DECODER_GRAPH, ENCODER_GRAPH, EXPORT_VERSION, METADATA_CHECKPOINT, REPORT_NAME, OrtRNNSearch,
-                      step_api_diff)
+from .export import ExportParityError, check_opset, dynamo_export, file_digests, staged_dir
+from .runtime import (DECODER_GRAPH, ENCODER_GRAPH, EXPORT_VERSION, METADATA_CHECKPOINT, REPORT_DIGESTS, REPORT_NAME,
+                      OrtRNNSearch, step_api_diff)
 ENCODER_INPUTS = ["src_ids", "src_mask"]
 ENCODER_OUTPUTS = ["annotations", "projected_annotations", "init_state"]
 DECODER_INPUTS = ["annotations", "projected_annotations", "src_mask", "source_index", "prev_tokens", "prev_hidden"]
@@ -321,8 +321,9 @@ def export_translation_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: st
         RuntimeError: the parity check failed (graphs and report are left in the staging folder it names;
             ``out_dir`` is unchanged).
 
-    Both graphs record the checkpoint hash in their metadata (``relserve.checkpoint_sha256``); files are
-    written through :func:`relserve.models.onnx.export.staged_dir`.
+    Both graphs record the checkpoint hash in their metadata (``relserve.checkpoint_sha256``); the report
+    records it and the sha256 of both graph files (``file_sha256``); files are written through
+    :func:`relserve.models.onnx.export.staged_dir`.
     """
     import onnx
 
@@ -366,6 +367,7 @@ def export_translation_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: st
                                  "ops": ops(protos["decoder_step"]), "bytes": (out / DECODER_GRAPH).stat().st_size},
             },
             "custom_domain": onnx_ops.DOMAIN,
+            REPORT_DIGESTS: file_digests(out),
             "export_seconds": round(t_export, 2),
         }
         if parity:

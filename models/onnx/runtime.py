@@ -35,8 +35,11 @@ DECODER_GRAPH = "decoder_step.onnx"
 REPORT_NAME = "export_report.json"
 # the kernels of models/onnx/native, where `make onnx-native` builds them
 NATIVE_LIBRARY = Path(__file__).resolve().parent / "native" / "build" / "librelserve_onnx_ops.so"
-EXPORT_VERSION = "1"  # layout of the exported graphs; part of the cache key: bump when it changes
+# Layout of an export (graphs + report); part of the cache key: bump when it changes. 2: the report lists the
+# sha256 of every file the export wrote (REPORT_DIGESTS), which the server checks before loading a graph.
+EXPORT_VERSION = "2"
 METADATA_CHECKPOINT = "relserve.checkpoint_sha256"  # graph metadata: the hash of the checkpoint it came from
+REPORT_DIGESTS = "file_sha256"  # export report: {file name: sha256 hex} of every file the export wrote
 
 
 def native_library() -> str | None:
@@ -44,10 +47,13 @@ def native_library() -> str | None:
     return os.fspath(NATIVE_LIBRARY) if NATIVE_LIBRARY.is_file() else None
 
 
-def make_session(path: str | os.PathLike, providers: Sequence = ("CPUExecutionProvider",),
+def make_session(path: str | os.PathLike | bytes, providers: Sequence = ("CPUExecutionProvider",),
                  intra_op_threads: int = 0, graph_optimization: str = "all", native_library: str | None = None):
     """An ONNX Runtime session for an exported graph (portable functions; ``native_library`` registers the
     custom-op kernels of ``models/onnx/native`` when given).
+
+    ``path`` is a graph file, or the serialized graph itself (``bytes``: what the server verified is exactly
+    what runs, with no second read of the file; a graph with external data cannot be opened that way).
 
     When ``providers`` ask for CUDA and the graph has T5 bias nodes, they are first re-homed to ONNX Runtime's
     CUDA kernel (:func:`relserve.models.onnx.ops.to_cuda_contrib_ops`); if that session cannot be created or
@@ -71,7 +77,7 @@ def make_session(path: str | os.PathLike, providers: Sequence = ("CPUExecutionPr
     if wants_cuda:
         import onnx
 
-        proto = onnx.load(os.fspath(path))
+        proto = onnx.load_from_string(path) if isinstance(path, bytes) else onnx.load(os.fspath(path))
         if ops.to_cuda_contrib_ops(proto):
             try:
                 session = ort.InferenceSession(proto.SerializeToString(), sess_options=opts, providers=providers)
@@ -80,7 +86,8 @@ def make_session(path: str | os.PathLike, providers: Sequence = ("CPUExecutionPr
             except Exception as exc:  # e.g. CUDA unusable: the contrib op has no CPU kernel
                 logging.getLogger(__name__).info("CUDA contrib RelativePositionBias not usable (%s); running the "
                                                  "graph as exported", str(exc).splitlines()[0])
-    return ort.InferenceSession(os.fspath(path), sess_options=opts, providers=providers)
+    return ort.InferenceSession(path if isinstance(path, bytes) else os.fspath(path), sess_options=opts,
+                                providers=providers)
 
 
 _ELEMENT_TYPES = {
@@ -136,6 +143,8 @@ class OrtRNNSearch:
     """RNNsearch on ONNX Runtime: ``graph_dir`` holds ``encoder.onnx`` and ``decoder_step.onnx``.
 
     ``device`` is where tensors live (``"cpu"`` or ``"cuda:N"``, matching ``providers``); float32 only.
+    ``graphs`` (``{file name: serialized graph}``) opens the sessions from bytes already read (and verified)
+    by the caller instead of reading the files in ``graph_dir``.
 
     Raises (constructor):
         FileNotFoundError: a graph is missing.
@@ -143,18 +152,20 @@ class OrtRNNSearch:
 
     def __init__(self, graph_dir: str | os.PathLike, config: RNNSearchConfig, *,
                  providers: Sequence = ("CPUExecutionProvider",), intra_op_threads: int = 0,
-                 graph_optimization: str = "all", native_library: str | None = None, device: str = "cpu") -> None:
+                 graph_optimization: str = "all", native_library: str | None = None, device: str = "cpu",
+                 graphs: Mapping[str, bytes] | None = None) -> None:
         self.config = config
         self.device = torch.device(device)
         d = Path(graph_dir)
         for name in (ENCODER_GRAPH, DECODER_GRAPH):
-            if not (d / name).is_file():
+            if (name not in graphs) if graphs is not None else not (d / name).is_file():
                 raise FileNotFoundError(f"{d / name}: missing (export the checkpoint with `relserve export`)")
         kwargs = dict(providers=providers, intra_op_threads=intra_op_threads, graph_optimization=graph_optimization,
                       native_library=native_library)
         self._mask_cache: tuple[Tensor, Tensor] | None = None
-        self.encoder_session = make_session(d / ENCODER_GRAPH, **kwargs)
-        self.decoder_session = make_session(d / DECODER_GRAPH, **kwargs)
+        source = graphs if graphs is not None else {n: d / n for n in (ENCODER_GRAPH, DECODER_GRAPH)}
+        self.encoder_session = make_session(source[ENCODER_GRAPH], **kwargs)
+        self.decoder_session = make_session(source[DECODER_GRAPH], **kwargs)
 
     def _long_mask(self, mask: Tensor) -> Tensor:
         """The graph's Int64 mask; a decode loop passes the same stacked mask step after step, so it is

@@ -308,7 +308,9 @@ def build_features(tok: Any, rows: list[dict[str, Any]], max_seq_len: int, doc_s
     feats = []
     stats = collections.Counter()
     for r in rows:
-        windows = tok.qa_windows(r["question"], r["context"], max_seq_len=max_seq_len, doc_stride=doc_stride)
+        # clamp_stride: a long question lowers the overlap to half the window's room (the server's default rule)
+        windows = tok.qa_windows(r["question"], r["context"], max_seq_len=max_seq_len, doc_stride=doc_stride,
+                                 clamp_stride=True)
         answers = r.get("answers") or []
         for w in windows:
             label = (0, 0)
@@ -368,7 +370,8 @@ def predict(model: torch.nn.Module, tok: Any, rows: list[dict[str, Any]], args: 
     all_windows = []
     flat = []
     for qi, r in enumerate(rows):
-        ws = tok.qa_windows(r["question"], r["context"], max_seq_len=args.max_seq_len, doc_stride=args.doc_stride)
+        ws = tok.qa_windows(r["question"], r["context"], max_seq_len=args.max_seq_len, doc_stride=args.doc_stride,
+                            clamp_stride=True)
         all_windows.append(ws)
         flat.extend((qi, wi) for wi in range(len(ws)))
     seqs = [all_windows[qi][wi] for qi, wi in flat]

@@ -3,31 +3,47 @@ came from, export (or re-export) them when there are none or they are broken.
 
 Where, in order: the checkpoint directory, its ``onnx/`` folder (what ``relserve export CKPT CKPT/onnx``
 writes), else ``<onnx_cache_dir>/<checkpoint sha256>/``, exported there on first load (written to a
-temporary directory and renamed, so a crashed export never leaves half a graph in the cache; entries are
-made readable by other users of a shared cache volume).
+temporary directory and renamed, so a crashed export never leaves half a graph in the cache; no entry file
+is writable by group or others, whatever the umask).
+
+Who may have written them (:mod:`.file_trust`): the cache directory is created 0700 and refused
+(:class:`ConfigError`) when it exists owned by another uid or writable by group or others. Every graph file
+and ``export_report.json`` is opened once without following links; a link, or a file owned by another uid
+(root, the server's uid and, beside the checkpoint, the checkpoint directory's owner are trusted) or
+writable by group or others, is refused. The bytes read from that descriptor are what is hashed and what
+ONNX Runtime loads (sessions are made from bytes), so what is verified is what runs.
+
+Integrity: every export records the sha256 of each file it wrote (``file_sha256`` in ``export_report.json``);
+a graph whose bytes do not match is refused. A cache entry must record them; graphs beside the checkpoint
+without a report are served with a warning (hand-placed graphs), guarded by the next two checks.
 
 Provenance: a graph's metadata (``relserve.checkpoint_sha256``) and the ``export_report.json`` beside it
 name the checkpoint it was exported from; another checkpoint's graphs are refused exactly
 (:class:`GraphMismatch`). Graphs that record nothing rely on the backend's load-time parity self-check.
-Graphs beside the checkpoint are the user's and are never rewritten; a broken cache entry is deleted and
-exported again, once.
+
+One policy for anything refused: graphs beside the checkpoint are the user's and are never rewritten, so the
+model is not served (:class:`GraphMismatch` naming the file and the fix); a cache entry that is incomplete,
+unreadable, untrusted, tampered with (sha256 mismatch, logged as a WARNING naming the file and both digests)
+or mismatching is deleted and exported again into a fresh entry (atomic rename), once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from relserve.models.checkpoint import checkpoint_hash
-from relserve.models.onnx.runtime import EXPORT_VERSION, METADATA_CHECKPOINT, REPORT_NAME
+from relserve.models.onnx.runtime import EXPORT_VERSION, METADATA_CHECKPOINT, REPORT_DIGESTS, REPORT_NAME
 
 from ..config import ModelConfig
 from ..errors import ConfigError
+from . import file_trust
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -42,7 +58,7 @@ def _export_into(cache: Path, export: Callable[[Path], None]) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=cache.name[:16] + ".", dir=cache.parent))
     try:
         export(tmp)
-        for f in tmp.rglob("*"):  # readable by other users of a shared cache volume, whatever the umask
+        for f in tmp.rglob("*"):  # never group/other-writable (a umask of 002 would be refused at load)
             os.chmod(f, 0o755 if f.is_dir() else 0o644)
         os.chmod(tmp, 0o755)
         try:
@@ -54,18 +70,15 @@ def _export_into(cache: Path, export: Callable[[Path], None]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _check_report(config: ModelConfig, d: Path, digest: str) -> None:
+def _check_report(config: ModelConfig, d: Path, digest: str, report: Mapping[str, Any] | None) -> None:
     """Refuse graphs whose ``export_report.json`` names another checkpoint hash (the parity self-check only
     sees the warm-up inputs, so weights that differ elsewhere could pass it)."""
-    try:
-        recorded = json.loads((d / REPORT_NAME).read_text(encoding="utf-8")).get("checkpoint_sha256")
-    except (OSError, ValueError, AttributeError):
-        return  # no report (a hand-placed graph): the parity self-check is the only guard
+    recorded = (report or {}).get("checkpoint_sha256")
     if recorded and recorded != digest:
         raise GraphMismatch(
             f"model {config.name!r}: the ONNX graphs in {d} were exported from another checkpoint (their "
             f"{REPORT_NAME} records sha256 {recorded[:12]}..., this checkpoint is {digest[:12]}...: other weights "
-            f"or config, or an older export format); re-export them with `relserve export {config.path} {d}`")
+            f"or config, or an older export format)")  # the caller appends the fix
 
 
 def check_graph_origin(config: ModelConfig, session, graph: Path, digest: str) -> None:
@@ -82,9 +95,82 @@ def check_graph_origin(config: ModelConfig, session, graph: Path, digest: str) -
             f"older export format)")
 
 
-def _open(config: ModelConfig, d: Path, open_and_check: Callable[[Path, str], T], digest: str, advice: str) -> T:
+def _parse_report(data: bytes | None) -> dict[str, Any] | None:
     try:
-        return open_and_check(d, digest)
+        report = json.loads(data.decode("utf-8")) if data is not None else None
+    except ValueError:  # UnicodeDecodeError is one
+        return None
+    return report if isinstance(report, dict) else None
+
+
+def _check_digests(config: ModelConfig, d: Path, graphs: Mapping[str, bytes], report: Mapping[str, Any] | None,
+                   required: bool) -> None:
+    """Each graph's sha256 against the one its export recorded (``file_sha256`` in the report).
+
+    Raises:
+        GraphMismatch: a digest differs (naming the file, the recorded and the actual digest), or none is
+            recorded and ``required`` (a cache entry: the server's own exports always record them).
+    """
+    recorded = (report or {}).get(REPORT_DIGESTS)
+    if not isinstance(recorded, dict):
+        if required:
+            raise GraphMismatch(f"model {config.name!r}: {d / REPORT_NAME} is missing or records no sha256 of the "
+                                f"graph files ({REPORT_DIGESTS}), so the graphs cannot be verified")
+        log.warning("model %r: %s records no sha256 of its graph files (no %s from `relserve export`); the graphs "
+                    "are not verified against their export, only provenance metadata and the load-time parity "
+                    "check guard them", config.name, d, REPORT_NAME)
+        return
+    for name, data in graphs.items():
+        actual = hashlib.sha256(data).hexdigest()
+        expected = recorded.get(name)
+        if expected != actual:
+            raise GraphMismatch(f"model {config.name!r}: graph {d / name} has sha256 {actual}, but its export "
+                                f"recorded {expected or 'none'} in {d / REPORT_NAME}: the file was changed after "
+                                f"it was exported, refusing it")
+
+
+def _read_verified(config: ModelConfig, d: Path, names: Sequence[str], digest: str, trusted: frozenset[int],
+                   cache_root: Path | None = None) -> dict[str, bytes]:
+    """``{name: bytes}`` of the graphs in ``d``, each read from one descriptor opened without following links
+    and checked for owner and mode, then checked against the report's checkpoint hash and file digests.
+    ``cache_root``: ``d`` is a cache entry, opened relative to the re-checked cache directory (no link
+    followed), whose report must record the digests.
+
+    Raises:
+        ConfigError: the cache directory is no longer private (see :func:`file_trust.check_private_dir`).
+        GraphMismatch: anything refused in ``d`` (the message names the file and why).
+    """
+    try:
+        try:
+            if cache_root is None:
+                dfd = file_trust.open_dir(d)
+            else:
+                rfd = file_trust.open_dir(cache_root)
+                try:
+                    file_trust.check_private_dir(rfd, cache_root, f"model {config.name!r}: onnx_cache_dir")
+                    dfd = file_trust.open_dir(d.name, parent_fd=rfd, follow=False)
+                finally:
+                    os.close(rfd)
+        except OSError as exc:
+            raise file_trust.Refused(f"{d} cannot be opened as a directory without following links "
+                                     f"({exc.strerror or exc})") from exc
+        try:
+            if cache_root is not None:
+                file_trust.check_dir(dfd, d, trusted)
+            graphs = {n: file_trust.read_file(dfd, n, d / n, trusted) for n in names}
+            report = _parse_report(file_trust.read_file(dfd, REPORT_NAME, d / REPORT_NAME, trusted, missing_ok=True))
+        finally:
+            os.close(dfd)
+    except file_trust.Refused as exc:
+        raise GraphMismatch(f"model {config.name!r}: refusing {exc}") from exc
+    _check_report(config, d, digest, report)
+    _check_digests(config, d, graphs, report, required=cache_root is not None)
+    return graphs
+
+
+def _open(config: ModelConfig, d: Path, open_and_check: Callable[[], T], advice: str) -> T:
+    try:
+        return open_and_check()
     except ConfigError:
         raise
     except GraphMismatch as exc:
@@ -96,18 +182,24 @@ def _open(config: ModelConfig, d: Path, open_and_check: Callable[[Path, str], T]
 
 
 def load_graphs(config: ModelConfig, names: Sequence[str], export: Callable[[Path], None],
-                open_and_check: Callable[[Path, str], T]) -> tuple[T, Path]:
-    """Find a model's ONNX graphs (``names``, all in one directory) and return (``open_and_check(dir)``, dir).
+                open_and_check: Callable[[Path, str, Mapping[str, bytes]], T]) -> tuple[T, Path]:
+    """Find a model's ONNX graphs (``names``, all in one directory) and return (``open_and_check(...)``, dir).
 
     Where: the checkpoint directory, its ``onnx/`` folder (what ``relserve export CKPT CKPT/onnx`` writes),
     else ``<onnx_cache_dir>/<checkpoint sha256>/``, filled by ``export(tmp_dir)`` on first load.
-    ``open_and_check(dir, checkpoint_sha256)`` opens the sessions, calls :func:`check_graph_origin` and raises
+    ``open_and_check(dir, checkpoint_sha256, graphs)`` opens the sessions from ``graphs`` (``{name: bytes}``,
+    the verified bytes: never re-read the files), calls :func:`check_graph_origin` and raises
     :class:`GraphMismatch` when the graphs do not reproduce the checkpoint; any other error there is re-raised
     as a GraphMismatch naming the model and the directory; every GraphMismatch gets the fix appended.
 
-    Graphs beside the checkpoint are used as they are: a directory missing one of ``names``, or whose
-    ``export_report.json`` records another checkpoint hash, is refused with advice to re-export. A cache entry
-    that is incomplete, unreadable or mismatching is deleted and exported again, once.
+    Graphs beside the checkpoint are used as they are: a directory missing one of ``names``, a graph file that
+    is a link, owned by another uid or group/other-writable, or whose ``export_report.json`` records another
+    checkpoint hash or another sha256, is refused with advice. A cache entry that is incomplete, unreadable,
+    untrusted, tampered with or mismatching is deleted and exported again, once.
+
+    Raises:
+        ConfigError: the cache directory cannot be created, or is owned by another uid or group/other-writable.
+        GraphMismatch: the graphs are refused (after the one re-export, for the cache).
     """
     path = Path(config.path)
     digest = checkpoint_hash(path, EXPORT_VERSION)
@@ -121,16 +213,16 @@ def load_graphs(config: ModelConfig, names: Sequence[str], export: Callable[[Pat
             if missing:
                 raise GraphMismatch(f"model {config.name!r}: {d} has {names[0]} but not {', '.join(missing)}; "
                                     f"{advice}")
-            _check_report(config, d, digest)
-            result = _open(config, d, open_and_check, digest, advice)
+            try:
+                trusted = file_trust.trusted_owners(os.stat(path).st_uid)  # as trusted as the weights beside them
+                graphs = _read_verified(config, d, names, digest, trusted)
+            except GraphMismatch as exc:
+                raise GraphMismatch(f"{exc}; {advice}") from exc
+            result = _open(config, d, lambda: open_and_check(d, digest, graphs), advice)
             log.info("model %r: using the exported graphs in %s", config.name, d)
             return result, d
-    root = config.resolved_onnx_cache_dir()
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"model {config.name!r}: onnx_cache_dir {str(root)!r} cannot be used as a directory "
-                          f"({exc.strerror or exc})") from exc
+    root = Path(os.path.abspath(config.resolved_onnx_cache_dir()))
+    file_trust.make_private_dir(root, f"model {config.name!r}: onnx_cache_dir")
     cache = root / digest
     for attempt in (1, 2):
         if not all((cache / n).is_file() for n in names):
@@ -142,7 +234,12 @@ def load_graphs(config: ModelConfig, names: Sequence[str], export: Callable[[Pat
             log.info("model %r: no ONNX graphs yet; exporting %s to %s", config.name, path, cache)
             _export_into(cache, export)
         try:
-            result = _open(config, cache, open_and_check, digest, f"delete {cache} to export again")
+            advice = f"delete {cache} to export again"
+            try:
+                graphs = _read_verified(config, cache, names, digest, file_trust.trusted_owners(), cache_root=root)
+            except GraphMismatch as exc:
+                raise GraphMismatch(f"{exc}; {advice}") from exc
+            result = _open(config, cache, lambda: open_and_check(cache, digest, graphs), advice)
             log.info("model %r: using the cached graphs in %s", config.name, cache)
             return result, cache
         except GraphMismatch as exc:

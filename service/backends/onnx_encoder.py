@@ -1,7 +1,8 @@
 """ONNX Runtime encoder backend: the same contract as :class:`TorchBackend`, running an exported graph.
 
-The graph (``model.onnx``) is found, checked for provenance or exported on first load by
-:mod:`.graph_cache`; sessions open on the providers :mod:`.onnx_session` picks for the model's device.
+The graph (``model.onnx``) is found, checked (owner, mode, sha256, provenance) or exported on first load by
+:mod:`.graph_cache`; the session is made from the verified bytes, on the providers :mod:`.onnx_session`
+picks for the model's device.
 Inputs and outputs go through IO binding as torch tensors on the session's device
 (:func:`relserve.models.onnx.runtime.run_bound`): on CUDA no extra host copy, and the CPU runs the same code.
 
@@ -16,7 +17,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -79,10 +80,10 @@ class OnnxBackend:
             export_checkpoint(self.config.path, tmp, parity=False, loaded=loaded,
                               progress=lambda m: log.info("model %r: %s", name, m))
 
-        def open_and_check(d: Path, digest: str) -> str | None:
+        def open_and_check(d: Path, digest: str, graphs: Mapping[str, bytes]) -> str | None:
             self.graph = d / GRAPH_NAME
             self.session, lib = open_with_native_fallback(name, lambda native: make_session(
-                self.graph, providers=providers, intra_op_threads=self.config.onnx_intra_op_threads,
+                graphs[GRAPH_NAME], providers=providers, intra_op_threads=self.config.onnx_intra_op_threads,
                 graph_optimization=self.config.onnx_graph_optimization, native_library=native))
             check_graph_origin(self.config, self.session, self.graph, digest)
             self.provider = self.session.get_providers()[0]

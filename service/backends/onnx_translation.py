@@ -2,8 +2,9 @@
 
 Follows :class:`relserve.service.backends.base.StepBackend`: the model is an
 :class:`relserve.models.onnx.runtime.OrtRNNSearch` over ``encoder.onnx`` + ``decoder_step.onnx``, found,
-checked or exported on first load by :mod:`.graph_cache` (checkpoint dir, its ``onnx/`` folder, else the
-export cache keyed by checkpoint hash); the beams over it are kept by its own
+checked (owner, mode, sha256, provenance) or exported on first load by :mod:`.graph_cache` (checkpoint dir,
+its ``onnx/`` folder, else the export cache keyed by checkpoint hash) and opened from the verified bytes; the
+beams over it are kept by its own
 :class:`.translation_steps.BeamStepper`, exactly as the torch backend keeps its. At load, the graphs and the
 torch checkpoint encode the warm-up sources and take one decoder step; a difference above
 ``onnx_parity_tolerance`` refuses the model (:class:`GraphMismatch`). The provider in use is
@@ -15,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -68,11 +69,11 @@ class OnnxTranslationBackend(SteppedBackend):
             export_translation_checkpoint(self.config.path, tmp, parity=False, loaded=loaded,
                                           progress=lambda m: log.info("model %r: %s", name, m))
 
-        def open_and_check(d: Path, digest: str) -> str | None:
+        def open_and_check(d: Path, digest: str, graphs: Mapping[str, bytes]) -> str | None:
             self.graph_dir = d
             model, lib = open_with_native_fallback(name, lambda native: OrtRNNSearch(
                 d, model_config, providers=providers, intra_op_threads=self.config.onnx_intra_op_threads,
-                graph_optimization=self.config.onnx_graph_optimization, native_library=native))
+                graph_optimization=self.config.onnx_graph_optimization, native_library=native, graphs=graphs))
             check_graph_origin(self.config, model.encoder_session, d / ENCODER_GRAPH, digest)
             check_graph_origin(self.config, model.decoder_session, d / DECODER_GRAPH, digest)
             self.device, self._device_label = provider_device(providers, model.providers[0])

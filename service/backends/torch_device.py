@@ -8,6 +8,21 @@ import torch
 from ..errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# torch's intra-op thread count before any backend changed it (its default: one per core, or OMP_NUM_THREADS)
+DEFAULT_THREADS = torch.get_num_threads()
+
+
+def use_threads(configured: int) -> None:
+    """Give the calling thread ``configured`` torch intra-op threads (0: :data:`DEFAULT_THREADS`); the
+    backends pass the model's ``torch_intra_op_threads``, else ``compute.thread_share()``.
+
+    OpenMP keeps the thread count per calling thread, so each model's backend thread can have its own; but
+    ``torch.set_num_threads`` also sets the default that threads adopt on their first torch op, so a backend
+    calls this at the start of every call (a no-op once its thread has the count).
+    """
+    n = configured or DEFAULT_THREADS
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
 
 
 def resolve_device(model: str, device: str) -> str:

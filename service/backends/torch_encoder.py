@@ -11,11 +11,13 @@ import torch
 
 from relserve.models.checkpoint import load_checkpoint
 
+from .. import compute
 from ..config import ModelConfig, check_dtype_for_device
 from ..errors import ConfigError
 from .base import TASK_CLASSIFICATION, TASK_QA, ModelMeta
 from .padding import WarmupEncoding, pad_batch
-from .torch_device import DTYPES, cuda_memory_stats, release_cuda_cache, resolve_device
+from .torch_device import DTYPES, cuda_memory_stats, release_cuda_cache, resolve_device, use_threads
+from .torch_yield import add_yield_points
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,8 @@ class TorchBackend:
         cfg = ckpt.config
         tok = ckpt.tokenizer
         self.model = ckpt.model
+        # a long QA batch can hand the cores to another model (or shrink to its share) between sub-layers
+        add_yield_points(self.model, threads=self.config.torch_intra_op_threads)
         self._pad_id = int(getattr(tok, "pad_token_id", 0) or 0)
         self._use_token_type = int(getattr(cfg, "type_vocab_size", 0) or 0) > 0
         if ckpt.task not in (TASK_CLASSIFICATION, TASK_QA):
@@ -95,6 +99,7 @@ class TorchBackend:
             raise RuntimeError("run() before load()")
         ids, mask, types = pad_batch(batch, self._pad_id)
         lengths = [len(item.input_ids) for item in batch]
+        use_threads(self.config.torch_intra_op_threads or compute.thread_share())
         with self._lock, torch.inference_mode():
             kwargs = {
                 "input_ids": torch.from_numpy(ids).to(self.device),

@@ -23,9 +23,10 @@ from relserve.models.decode_types import DecodeOptions, Hypothesis
 from relserve.models.decoding import BeamState, StepBatch, apply_step, build_step, start_beams
 from relserve.models.rnnsearch import EncoderState
 
+from .. import compute
 from ..errors import Internal
 from .base import SeqUpdate, StartItem, StepPlan
-from .torch_device import cuda_memory_stats, release_cuda_cache
+from .torch_device import cuda_memory_stats, release_cuda_cache, use_threads
 
 
 class BeamStepper:
@@ -202,9 +203,11 @@ class SteppedBackend:
         return self.stepper
 
     def start(self, items: Sequence[StartItem]) -> list[int | Exception]:
+        use_threads(self.config.torch_intra_op_threads or compute.thread_share())
         return self._stepper().start(items)
 
     def step(self, plan: StepPlan) -> list[SeqUpdate | Exception]:
+        use_threads(self.config.torch_intra_op_threads or compute.thread_share())
         return self._stepper().step(plan)
 
     def release(self, seq_ids: Sequence[int]) -> None:

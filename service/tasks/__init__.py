@@ -7,4 +7,5 @@ tokenizing) and its pre- and post-processing (pure Python/numpy over the tokeniz
 `translate`: validate_translate -> DecodeOptions; texts -> source ids (blank -> None); hypotheses ->
 detokenized text, pieces and labelled alignments.
 `text`: what counts as blank.
+`limits`: the per-request size limits every task shares (``max_request_texts``, ``max_request_chars``).
 """

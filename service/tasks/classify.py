@@ -12,6 +12,7 @@ import numpy as np
 
 from relserve.models.tokenization import Encoding, Tokenizer
 from relserve.service.errors import Internal, InvalidArgument
+from relserve.service.tasks.limits import check_request_size
 from relserve.service.tasks.text import is_blank
 
 
@@ -23,19 +24,24 @@ def _check_text(text: object, what: str) -> None:
 
 
 def validate_classify(texts: Sequence[str], text_pairs: Sequence[str] | None, top_k: int, num_labels: int,
-                      model: str) -> tuple[list[str], list[str] | None]:
-    """Check a Classify request: at least one text, none blank (zero-width characters count as blank), at
-    most one pair per text, ``top_k`` in ``0..num_labels`` (0 = all labels; unchecked above when the model
-    has no labels, e.g. regression).
+                      model: str, *, max_texts: int | None = None,
+                      max_chars: int | None = None) -> tuple[list[str], list[str] | None]:
+    """Check a Classify request: at least one text and at most ``max_texts`` (the model's
+    ``max_request_texts``), at most ``max_chars`` characters in all texts and pairs together
+    (``max_request_chars``), none blank (zero-width characters count as blank), at most one pair per text,
+    ``top_k`` in ``0..num_labels`` (0 = all labels; unchecked above when the model has no labels, e.g.
+    regression). The size limits are checked first, in O(number of texts).
 
     Returns:
         ``(texts, text_pairs or None)`` as lists.
 
     Raises:
-        InvalidArgument: naming the field, the index of the bad entry, and the limit.
+        InvalidArgument: naming the field, the index of the bad entry, and the limit (its config key).
     """
     if not texts:
         raise InvalidArgument("texts is empty; send at least one text")
+    check_request_size(model, len(texts), sum(map(len, texts)) + sum(map(len, text_pairs or ())),
+                       max_texts, max_chars)
     for i, t in enumerate(texts):
         _check_text(t, f"texts[{i}]")
     if text_pairs:
@@ -71,8 +77,9 @@ def preprocess(
     """Encode each text (with its pair) as ``[CLS] a [SEP] (b [SEP])``, at most ``max_seq_len`` tokens.
 
     Over-long inputs are truncated longest-first and flagged in ``Encoding.truncated`` (C08: never a
-    shape error, whatever ``model_max_length`` says). ``text_pairs`` empty or None means no pairs. The
-    request was checked by :func:`validate_classify`.
+    shape error, whatever ``model_max_length`` says); only a prefix of a long text is tokenized, with the
+    same result (:meth:`relserve.models.tokenization.Tokenizer.batch_encode`). ``text_pairs`` empty or None
+    means no pairs. The request was checked by :func:`validate_classify`.
 
     Raises:
         InvalidArgument: ``max_seq_len`` too small for a text (3 tokens) or a pair (5 tokens).

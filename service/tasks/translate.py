@@ -6,7 +6,10 @@ Rules (documented in the proto):
 * ``max_length`` 0 -> ``min(int(max_len_a * source_tokens + max_len_b), max_output_tokens)`` per text; an
   explicit one must be <= ``max_output_tokens``. Counts the final EOS
   (:meth:`relserve.models.decode_types.DecodeOptions.max_length_for`).
-* A source longer than ``max_source_tokens`` (pieces + EOS) is INVALID_ARGUMENT, naming the limit.
+* A source longer than ``max_source_tokens`` (pieces + EOS) is INVALID_ARGUMENT, naming the limit; only as
+  much of it is encoded as it takes to know (``TranslationTokenizer.encode_source_bounded``).
+* At most ``max_request_texts`` texts and ``max_request_chars`` characters per request (INVALID_ARGUMENT,
+  naming the key), checked before any encoding.
 * A blank text (empty, whitespace or zero-width characters only) is not sent to the model: one hypothesis
   with text "" and score 0 (C10).
 """
@@ -19,6 +22,7 @@ from typing import Any, Sequence
 from relserve.models.decode_types import DecodeOptions, Hypothesis
 from relserve.service.config import MAX_BEAM_SIZE, ModelConfig
 from relserve.service.errors import InvalidArgument
+from relserve.service.tasks.limits import check_request_size
 from relserve.service.tasks.text import is_blank
 
 
@@ -39,11 +43,13 @@ def validate_translate(texts: Sequence[str], *, beam_size: int, n_best: int, max
         The options every text of the request is decoded with (the length rule resolves per text).
 
     Raises:
-        InvalidArgument: no texts, or a field out of range (naming the field, its value and the range).
+        InvalidArgument: no texts, too many texts or characters (naming ``max_request_texts`` /
+            ``max_request_chars``), or a field out of range (naming the field, its value and the range).
     """
     c = config
     if not texts:
         raise InvalidArgument("texts is empty; send at least one text")
+    check_request_size(c.name, len(texts), sum(map(len, texts)), c.max_request_texts, c.max_request_chars)
     beam = beam_size or c.beam_size
     if not 1 <= beam <= MAX_BEAM_SIZE:
         raise InvalidArgument(
@@ -64,18 +70,24 @@ def validate_translate(texts: Sequence[str], *, beam_size: int, n_best: int, max
 
 
 def preprocess(tokenizer: Any, texts: Sequence[str], max_source_tokens: int, model: str) -> list[list[int] | None]:
-    """Source ids (pieces + EOS) per text; None for a blank text (never sent to the model).
+    """Source ids (pieces + EOS) per text; None for a blank text (never sent to the model). A text is encoded
+    only as far as it takes to know it is too long (``tokenizer.encode_source_bounded``).
 
     Raises:
         InvalidArgument: a text has more than ``max_source_tokens`` source tokens (names the text and limit).
     """
-    sources = [None if is_blank(t) else list(tokenizer.encode_source(t)) for t in texts]
-    for i, src in enumerate(sources):
-        if src is not None and len(src) > max_source_tokens:
+    sources: list[list[int] | None] = []
+    for i, t in enumerate(texts):
+        if is_blank(t):
+            sources.append(None)
+            continue
+        ids, complete = tokenizer.encode_source_bounded(t, max_source_tokens)
+        if not complete:
             raise InvalidArgument(
-                f"texts[{i}] has {len(src)} source tokens (pieces + EOS); model {model!r} has "
-                f"max_source_tokens {max_source_tokens}; split the text"
+                f"texts[{i}] has more than {max_source_tokens} source tokens (pieces + EOS; at least "
+                f"{len(ids) + 1}); model {model!r} has max_source_tokens {max_source_tokens}; split the text"
             )
+        sources.append(list(ids))
     return sources
 
 

@@ -75,12 +75,14 @@ def _kustomize_hash(cm: dict) -> str:
 
 
 _MERGE_KEYS = {"containers": "name", "initContainers": "name", "volumes": "name", "env": "name",
-               "volumeMounts": "mountPath"}
+               "volumeMounts": "mountPath", "ports": "containerPort"}
+_SERVICE_PORT_KEY = "port"  # a Service's ports merge on port, a container's on containerPort
 
 
 def _smp(base: Any, patch: Any, key: str | None = None) -> Any:
-    """Strategic merge, the part our patches use: maps merge, the lists above merge on their key,
-    every other list is replaced (as for fields without a patchMergeKey, e.g. tolerations, HPA metrics)."""
+    """Strategic merge, the part our patches use: maps merge, the lists above merge on their key (items the
+    base lacks go first, in patch order, as kustomize puts them), every other list is replaced (as for fields
+    without a patchMergeKey, e.g. tolerations, HPA metrics)."""
     if isinstance(base, dict) and isinstance(patch, dict):
         out = dict(base)
         for k, v in patch.items():
@@ -90,14 +92,17 @@ def _smp(base: Any, patch: Any, key: str | None = None) -> Any:
         return out
     if isinstance(base, list) and isinstance(patch, list) and key in _MERGE_KEYS:
         mk = _MERGE_KEYS[key]
+        if key == "ports" and not any(mk in b for b in base + patch):
+            mk = _SERVICE_PORT_KEY
         out = [copy.deepcopy(b) for b in base]
+        new = []
         for item in patch:
             hits = [i for i, b in enumerate(out) if b.get(mk) == item.get(mk)]
             if hits:
                 out[hits[0]] = _smp(out[hits[0]], item)
             else:
-                out.append(copy.deepcopy(item))
-        return out
+                new.append(copy.deepcopy(item))
+        return new + out
     return copy.deepcopy(patch)
 
 
@@ -105,14 +110,17 @@ def _id(doc: dict) -> tuple[str, str]:
     return doc["kind"], doc["metadata"]["name"]
 
 
-def _build(root: Path) -> list[dict]:
+def _build(root: Path, parent: list[dict] | None = None) -> list[dict]:
+    """One kustomization; a Component works on what its ``parent`` has built so far (its patches see those)."""
     kust = yaml.safe_load((root / "kustomization.yaml").read_text())
     allowed = {"apiVersion", "kind", "resources", "components", "configMapGenerator", "images", "patches"}
     assert set(kust) <= allowed, f"{root}: render() does not implement {sorted(set(kust) - allowed)}"
-    docs: list[dict] = []
-    for entry in kust.get("resources", []) + kust.get("components", []):
+    docs: list[dict] = list(parent or []) if kust.get("kind") == "Component" else []
+    for entry in kust.get("resources", []):
         path = (root / entry).resolve()
         docs.extend(_build(path) if path.is_dir() else _load_docs(path))
+    for entry in kust.get("components", []):
+        docs = _build((root / entry).resolve(), docs)
     for gen in kust.get("configMapGenerator", []):
         assert set(gen) <= {"name", "files", "behavior"}, gen
         data = {}
@@ -632,7 +640,7 @@ def test_dockerfile_install_matches_makefile(flavour):
     assert len(stages) >= 2 and any(" AS builder" in s for s in stages) and " AS runtime" in stages[-1]
     run = " && ".join(_instructions(df, "RUN"))
     steps = _makefile_install_steps()
-    assert any("pip install -e ." in s for s in steps) and any("relserve.service._proto" in s for s in steps)
+    assert any("pip install -c constraints.txt -e ." in s for s in steps) and any("relserve.service._proto" in s for s in steps)
     for step in steps:
         assert step in run, f"{df.name} lacks the Makefile install step {step!r}"
     assert f"WORKDIR {IMAGE_ROOT}" in lines and "RUN python -m venv .venv" in lines
@@ -686,3 +694,106 @@ def test_console_script_runs_help():
     assert out.returncode == 0, out.stderr
     out = subprocess.run([str(exe), *shlex.split("serve --help")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "--config" in out.stdout, out.stderr
+
+
+# ------------------------------------------------------------------------------------ TLS + token component
+
+TLS_AUTH = K8S / "components" / "tls-auth"
+
+
+def _with_component(tmp_path: Path, overlay: str, component: Path) -> Path:
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(TARGETS[overlay], tmp_path)],
+        "components": [os.path.relpath(component, tmp_path)],
+    }))
+    return tmp_path
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def secured(request, tmp_path_factory) -> tuple[str, Path, list[dict]]:
+    root = _with_component(tmp_path_factory.mktemp(f"tls-{request.param}"), request.param, TLS_AUTH)
+    return request.param, root, render(root)
+
+
+def test_tls_auth_component_renders_like_kubectl_and_validates(secured):
+    name, root, docs = secured
+    if shutil.which("kubectl"):
+        out = subprocess.run(["kubectl", "kustomize", str(root)], capture_output=True, text=True, check=True,
+                             timeout=60).stdout
+        theirs = {_id(d): d for d in yaml.safe_load_all(out) if d}
+        assert {_id(d): d for d in docs} == theirs, f"{name}+tls-auth differs from kubectl kustomize"
+    for doc in docs:
+        for version in K8S_VERSIONS:
+            try:
+                kv.validate(doc, version, strict=True)
+            except kv.ValidationError as exc:
+                pytest.fail(f"{name}+tls-auth: {_id(doc)} invalid for Kubernetes {version}: {exc.message} at "
+                            f"{list(exc.path)}")
+
+
+def _secret_file(docs: list[dict], path: str) -> tuple[str, str]:
+    """(Secret name, key) of the file ``path`` in the container, from its mounts and the pod's volumes."""
+    pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
+    mount = next(m for m in _container(docs)["volumeMounts"] if Path(path).parent == Path(m["mountPath"]))
+    assert mount["readOnly"] is True
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"]["defaultMode"] & 0o007 == 0, "secret files must not be world-readable"
+    return volume["secret"]["secretName"], Path(path).name
+
+
+def test_tls_auth_component_passes_flags_mounts_secrets_and_probes_the_health_listener(secured, tmp_path):
+    from fixtures.tls import make_pki
+
+    from relserve.service import main as cli
+
+    name, _root, docs = secured
+    c = _container(docs)
+    assert c["command"] == _entrypoint(DOCKERFILES["cpu"]), "the component adds args, the command stays the image's"
+    args = cli.build_parser().parse_args(c["command"][1:] + c["args"])
+    assert Path(args.config) == Path(IMAGE_CONFIG_PATH)
+    assert _secret_file(docs, args.tls_cert) == ("relserve-tls", "tls.crt")  # kubernetes.io/tls Secret keys
+    assert _secret_file(docs, args.tls_key) == ("relserve-tls", "tls.key")
+    assert _secret_file(docs, args.auth_token_file) == ("relserve-auth", "tokens")
+    # the kubelet probes the pod IP, in plaintext and without a token: every probe asks the health-only listener
+    assert args.health_host == "0.0.0.0" and args.health_port
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["health"] == args.health_port
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"]["port"] == args.health_port, probe
+    # the health port is in no Service; the gRPC port is announced as TLS
+    for svc in (d for d in docs if d["kind"] == "Service"):
+        assert args.health_port not in {p["port"] for p in svc["spec"]["ports"]}
+        grpc_port = next(p for p in svc["spec"]["ports"] if p["name"] == "grpc")
+        assert grpc_port["appProtocol"] == "https" and grpc_port["targetPort"] == "grpc"
+    # the server accepts the combination: the overlay's config plus the flags, files replaced by a real PKI
+    pki = make_pki(tmp_path / "pki")
+    tokens = tmp_path / "tokens"
+    tokens.write_text("a-token\n")
+    cfg = _config_yaml(docs)
+    cfg.update(tls_cert=str(pki.server_cert), tls_key=str(pki.server_key), auth_token_file=str(tokens),
+               health_port=args.health_port, health_host=args.health_host)
+    loaded = _load_with_real_loader(cfg, tmp_path)
+    assert loaded.health_port == args.health_port and loaded.tls_cert == pki.server_cert
+    # still only /tmp writable
+    assert [m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")] == ["/tmp"]
+
+
+@pytest.mark.parametrize("which", ["base", "cpu", "gpu"])
+def test_connection_management_lets_clients_rebalance(which, tmp_path):
+    """The pods recycle connections (so clients of the headless Service re-resolve and reach new pods), and
+    the client settings in deploy/client keep within what the server accepts: round_robin, and keepalive
+    pings no faster than keepalive_min_ping_interval (faster ones get GOAWAY too_many_pings)."""
+    import json
+
+    from relserve.service.server import connection_options
+
+    cfg = _load_with_real_loader(_all_configs()[which], tmp_path)
+    opts = dict(connection_options(cfg))
+    assert 0 < opts["grpc.max_connection_age_ms"] <= 3600_000  # new pods get traffic within the hour
+    assert opts["grpc.max_connection_age_grace_ms"] >= cfg.drain_timeout * 1000  # a call fits like in a drain
+    client = json.loads((DEPLOY / "client" / "channel_options.json").read_text())
+    assert client["grpc.keepalive_time_ms"] >= opts["grpc.http2.min_ping_interval_without_data_ms"]
+    assert client["grpc.keepalive_permit_without_calls"] <= opts["grpc.keepalive_permit_without_calls"]
+    service_config = json.loads((DEPLOY / "client" / "service_config.json").read_text())
+    assert service_config["loadBalancingConfig"][0] == {"round_robin": {}}

@@ -306,7 +306,9 @@ def test_case_C12_message_just_over_the_default_limit(server):
     assert stub.Classify(pb.ClassifyRequest(model="sentiment", texts=["ok"]), timeout=30).results  # still serving
 
     limit = 8 * 1024 * 1024
-    with ServerProcess(["--model", f"sentiment={DEFAULTS / 'sentiment'}", "--max-message-bytes", str(limit)]) as big:
+    # a 4 MiB text is also over the default max_request_chars (1,000,000): raised with the message limit
+    spec = f"sentiment={DEFAULTS / 'sentiment'},max_request_chars={limit}"
+    with ServerProcess(["--model", spec, "--max-message-bytes", str(limit)]) as big:
         options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
         with grpc.insecure_channel(big.target, options=options) as ch:
             reply = pb_grpc.InferenceStub(ch).Classify(request, timeout=120)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import unicodedata
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +15,7 @@ from relserve.models.tokenization import _longest_first, load_tokenizer, train_u
 from relserve.models.training.tokenizer import corpus_lines
 
 TOKENIZER_DIRS = ["unigram_tokenizer_dir", "spm_tokenizer_dir"]
+DEFAULTS = Path(__file__).resolve().parents[2] / "defaults"
 
 
 def _texts() -> list[str]:
@@ -198,3 +201,281 @@ def test_train_tokenizer_loads_in_both(tmp_path, hf_tokenizer):
         h = hf(a, b) if b is not None else hf(a)
         e = ours.encode(a, b)
         assert (e.input_ids, e.token_type_ids) == (h["input_ids"], h["token_type_ids"])
+
+
+# ---- bounded work: whitespace-cut prefixes, is_blank, QA and translation limits -----------------------------
+
+# separators that stress the cut rule: whitespace runs, exotic whitespace alone (not a word boundary before
+# Metaspace), Python-only whitespace (\x1c), zero-width characters, combining marks after a space, and a
+# character whose NFKC form starts with a space (U+00A8)
+_SEPARATORS = [" ", "  ", "\n", "\t", "\r\n", "\u2028", "\u2028\u2028", "\u00a0", " \u00a0", "\u3000", "\x1c",
+               "\u200b ", " \u0308", "\u00a8 ", " \u00a8", "\u1680", " \u2029 "]
+
+
+def _mangled(rng: random.Random, text: str) -> str:
+    return "".join(w + rng.choice(_SEPARATORS) for w in text.split(" "))
+
+
+def _stress_texts() -> list[str]:
+    rng = random.Random(7)
+    base = [t for t in _texts() if t.strip()]
+    out = []
+    for i, t in enumerate(base):
+        out.append(_mangled(rng, t) * (1 + i % 5))  # a few to several hundred tokens
+    out.append("字" * 700)  # no whitespace at all: one word
+    out.append("x" + " " * 5000 + "y " * 300)  # a long whitespace run before the words
+    out.append(" ".join(["a"] * 900))
+    return out
+
+
+def _full_encode(tok, a, b, max_length):
+    """The reference: tokenize the whole texts, then LongestFirst (what transformers does)."""
+    ta = tok.tokenize(a)[0]
+    tb = tok.tokenize(b)[0] if b is not None else None
+    budget = max_length - (3 if tb is not None else 2)
+    if tb is None:
+        return [tok.cls_token_id, *ta[:budget], tok.sep_token_id], len(ta) > budget
+    n1, n2 = _longest_first(len(ta), len(tb), budget)
+    ids = [tok.cls_token_id, *ta[:n1], tok.sep_token_id, *tb[:n2], tok.sep_token_id]
+    return ids, n1 < len(ta) or n2 < len(tb)
+
+
+@pytest.fixture(params=["unigram_tokenizer_dir", "spm_tokenizer_dir", "defaults_sentiment", "bare_metaspace",
+                        "no_pre_tokenizer"])
+def any_tok(request, tmp_path_factory):
+    """The two fixture tokenizers, the default model's (NFKC), and two variants of the fixture tokenizer.json:
+    Metaspace without the whitespace-run replacement (SPACE_CUT) and no pre-tokenizer (no cut: whole texts)."""
+    if request.param == "defaults_sentiment":
+        return load_tokenizer(DEFAULTS / "sentiment")
+    if request.param in ("bare_metaspace", "no_pre_tokenizer"):
+        src = request.getfixturevalue("unigram_tokenizer_dir")
+        d = tmp_path_factory.mktemp(request.param)
+        for f in src.iterdir():
+            (d / f.name).write_bytes(f.read_bytes())
+        spec = json.loads((d / "tokenizer.json").read_text())
+        if request.param == "bare_metaspace":
+            spec["normalizer"] = {"type": "NFC"}
+        else:
+            spec["pre_tokenizer"] = None
+        (d / "tokenizer.json").write_text(json.dumps(spec))
+        return load_tokenizer(d)
+    return load_tokenizer(request.getfixturevalue(request.param))
+
+
+def test_cut_patterns_chosen_per_pipeline(unigram_tokenizer_dir, spm_tokenizer_dir):
+    from relserve.models.tokenization import SPACE_CUT, WORD_CUT, _cut_pattern_for
+
+    assert load_tokenizer(unigram_tokenizer_dir).backend.cut_pattern is WORD_CUT
+    assert load_tokenizer(spm_tokenizer_dir).backend.cut_pattern is WORD_CUT
+    spec = json.loads((unigram_tokenizer_dir / "tokenizer.json").read_text())
+    assert _cut_pattern_for({**spec, "normalizer": {"type": "NFKC"}}) is SPACE_CUT
+    assert _cut_pattern_for({**spec, "pre_tokenizer": None}) is None
+    joins = {"type": "Replace", "pattern": {"Regex": r"\s+"}, "content": ""}  # would join words: not exact
+    assert _cut_pattern_for({**spec, "normalizer": joins}) is None
+    spaced = {**spec, "added_tokens": [*spec["added_tokens"], {"content": "new york", "special": False}]}
+    assert _cut_pattern_for(spaced) is None
+
+
+@pytest.mark.parametrize("max_length", [5, 6, 7, 8, 33, 64, 128, 301])
+def test_prefix_encoding_equals_whole_text_tokenization(any_tok, max_length):
+    """input_ids and truncated of batch_encode (prefix tokenization) == whole-text tokenization + LongestFirst,
+    for single texts and pairs, odd and even budgets (pairs where both are over an odd budget need the order)."""
+    texts = _stress_texts()
+    singles = any_tok.batch_encode(texts, max_length=max_length)
+    for t, e in zip(texts, singles):
+        assert (e.input_ids, e.truncated) == _full_encode(any_tok, t, None, max_length), repr(t[:60])
+    rng = random.Random(max_length)
+    firsts = texts + [t[: len(t) // 2] for t in texts]
+    seconds = [rng.choice(texts) for _ in firsts]
+    pairs = any_tok.batch_encode(firsts, seconds, max_length=max_length)
+    for a, b, e in zip(firsts, seconds, pairs):
+        assert (e.input_ids, e.truncated) == _full_encode(any_tok, a, b, max_length), (repr(a[:40]), repr(b[:40]))
+        assert len(e.input_ids) <= max_length
+
+
+def test_every_safe_cut_gives_a_prefix_of_the_whole_tokenization(any_tok):
+    """The invariant the prefix scheme rests on, checked at every cut the tokenizer's pattern allows: the
+    tokens of text[:k] are the first tokens of text (ids and offsets)."""
+    pattern = any_tok.backend.cut_pattern
+    if pattern is None:  # no safe cut: the whole text is always tokenized
+        assert any_tok.leading_tokens(["a b c " * 100], [2])[0].complete
+        return
+    rng = random.Random(11)
+    checked = 0
+    for text in _stress_texts():
+        text = text[:3000]
+        ids, offs = any_tok.tokenize(text)
+        cuts = [m.start() for m in pattern.finditer(text)]
+        for k in rng.sample(cuts, min(len(cuts), 25)):
+            p_ids, p_offs = any_tok.tokenize(text[:k])
+            assert (p_ids, p_offs) == (ids[: len(p_ids)], offs[: len(p_offs)]), (repr(text[max(0, k - 20):k + 5]), k)
+            checked += 1
+    assert checked > 300
+
+
+class _WordBackend:
+    """One token per whitespace-separated word (id = its length): lengths of any size, cheaply."""
+
+    def __init__(self) -> None:
+        from relserve.models.tokenization import WORD_CUT
+
+        self.cut_pattern = WORD_CUT
+        self.calls: list[int] = []
+
+    def tokenize_batch(self, texts, offsets):
+        self.calls.extend(len(t) for t in texts)
+        return [([len(w) for w in t.split()], []) for t in texts]
+
+    def tokenize(self, text):
+        return self.tokenize_batch([text], True)[0]
+
+
+def test_pair_truncation_matches_longest_first_for_every_length_pair():
+    from relserve.models.tokenization import Tokenizer
+
+    tok = Tokenizer(backend=_WordBackend(), cls_token_id=1, sep_token_id=2, pad_token_id=0, unk_token_id=None,
+                    model_max_length=None, source="words")
+    for budget in range(2, 10):
+        for n1 in range(0, 3 * budget + 3):
+            for n2 in range(0, 3 * budget + 3):
+                a, b = "w " * n1 + "x", "vv " * n2 + "y"  # n1 + 1 and n2 + 1 tokens
+                e = tok.encode(a, b, max_length=budget + 3)
+                assert (e.input_ids, e.truncated) == _full_encode(tok, a, b, budget + 3), (budget, n1, n2)
+
+
+def test_prefix_work_is_bounded_by_the_budget_not_the_text(unigram_tokenizer_dir):
+    """A 4 MiB text of prose is tokenized only as far as the budget needs; text without any whitespace has no
+    safe cut and is tokenized whole (bounded by the request's character limit instead)."""
+    tok = load_tokenizer(unigram_tokenizer_dir)
+    prose = " ".join(_texts()[:20])
+    big = (prose + " ") * (4 * 1024 * 1024 // (len(prose) + 1))
+    (lead,) = tok.leading_tokens([big], [511])
+    assert not lead.complete and len(lead.ids) >= 511
+    assert lead.chars < 511 * 20  # a few characters per token, far from 4 MiB
+    assert lead.ids[:511] == tok.tokenize(big[: lead.chars + 2000])[0][:511]
+    e = tok.encode(big, max_length=512)
+    assert len(e.input_ids) == 512 and e.truncated
+    word = "abcdefghij" * 2000
+    (whole,) = tok.leading_tokens([word], [10])
+    assert whole.complete and whole.chars == len(word)
+
+
+def test_is_blank_equals_the_per_character_definition():
+    from relserve.models.tokenization import INVISIBLE, is_blank, is_blank_char
+
+    def reference(text):
+        return all(is_blank_char(ch) for ch in text)
+
+    for cp in range(0x110000):  # every single character, surrogates included
+        ch = chr(cp)
+        assert is_blank(ch) == reference(ch), hex(cp)
+    blanks = [c for c in map(chr, range(0x3100)) if c.isspace()] + sorted(INVISIBLE)
+    others = ["a", "\x1c"[:0] or "x", "\u00a8", "字", "\u0308", "\u200e", "\U0001f600", "\ud800"]
+    rng = random.Random(3)
+    tricky = ["", " " * 100000, "\u200b" * 1000, " \u200b\ufeff\u2060 \n", "\ufeff" * 3 + "a", "a" + " " * 1000,
+              " " * 1000 + "\u200b" + " " * 1000 + "x"]
+    for _ in range(3000):
+        n = rng.randint(1, 12)
+        s = "".join(rng.choice(blanks) for _ in range(n))
+        if rng.random() < 0.5:
+            i = rng.randint(0, n)
+            s = s[:i] + rng.choice(others) + s[i:]
+        tricky.append(s)
+    for s in tricky:
+        assert is_blank(s) == reference(s), repr(s[:40])
+
+
+def _room(tok, question, max_seq_len):
+    q = tok.tokenize(question)[0][: (max_seq_len - 3) // 2]
+    return max_seq_len - 3 - len(q)
+
+
+def test_qa_doc_stride_over_half_the_room_is_refused_or_clamped(tok_dir):
+    from relserve.models.tokenization import DocStrideTooLarge
+
+    tok = load_tokenizer(tok_dir)
+    question, context = "Who won the game?", qa_rows("xquad_en_dev.jsonl")[0]["context"]
+    room = _room(tok, question, 64)
+    limit = room // 2
+    at_limit = tok.qa_windows(question, context, 64, limit)
+    c0 = [o for o in at_limit[0].context_offsets if o is not None]
+    c1 = [o for o in at_limit[1].context_offsets if o is not None]
+    assert c0[len(c0) - limit:] == c1[:limit]  # overlap is exactly doc_stride tokens
+    with pytest.raises(DocStrideTooLarge, match=f"doc_stride {limit + 1} is over the limit of {limit} tokens") as err:
+        tok.qa_windows(question, context, 64, limit + 1)
+    assert err.value.limit == limit and "max_seq_len 64" in str(err.value)
+    clamped = tok.qa_windows(question, context, 64, room - 1, clamp_stride=True)
+    assert [w.input_ids for w in clamped] == [w.input_ids for w in at_limit]
+
+
+def test_qa_window_limit_counts_before_building_windows(tok_dir):
+    from relserve.models.tokenization import TooManyWindows, qa_window_count
+
+    tok = load_tokenizer(tok_dir)
+    question, context = "Who won the game?", qa_rows("xquad_en_dev.jsonl")[0]["context"]
+    windows = tok.qa_windows(question, context, 48, 8)
+    room = _room(tok, question, 48)
+    assert len(windows) == qa_window_count(len(tok.tokenize(context)[0]), room, room - 8) > 2
+    assert len(tok.qa_windows(question, context, 48, 8, max_windows=len(windows))) == len(windows)
+    with pytest.raises(TooManyWindows, match=f"the limit is {len(windows) - 1} windows") as err:
+        tok.qa_windows(question, context, 48, 8, max_windows=len(windows) - 1)
+    assert err.value.windows > len(windows) - 1
+    huge = (context + " ") * (1_000_000 // len(context))  # 1 MB: refused from a prefix of it
+    with pytest.raises(TooManyWindows, match="at least") as err:
+        tok.qa_windows(question, huge, 384, 128, max_windows=64)
+    assert not err.value.exact and err.value.tokens < len(huge) // 10
+
+
+def test_translation_source_bounded_equals_whole_encoding(tmp_path):
+    """encode_source_bounded == encode_source when the text fits, else a prefix of it with >= limit pieces; for a
+    freshly trained source model and the default model's (when present)."""
+    from relserve.models.tokenization import TranslationTokenizer, train_sentencepiece
+
+    from fixtures.translation import sentence_pairs
+
+    spm_path = train_sentencepiece([s for s, _ in sentence_pairs()], tmp_path / "source.spm", 160)
+    toks = [TranslationTokenizer(spm_path, spm_path)]
+    if (DEFAULTS / "translate-de-en" / "source.spm").is_file():
+        toks.append(TranslationTokenizer.from_dir(DEFAULTS / "translate-de-en"))
+    for tok in toks:
+        _check_bounded_source(tok)
+
+
+def _check_bounded_source(tok):
+    from fixtures.translation import sentence_pairs
+
+    rng = random.Random(5)
+    sources = [s for s, _ in sentence_pairs(60)]
+    texts = sources + [_mangled(rng, s) * (1 + i % 7) for i, s in enumerate(sources)] + ["Wort" * 300]
+    for t in texts:
+        whole = tok.encode_source(t)
+        for limit in (3, 16, 40, 120):
+            ids, complete = tok.encode_source_bounded(t, limit)
+            if len(whole) <= limit:
+                assert complete and ids == whole, repr(t[:40])
+            else:
+                assert not complete and len(ids) >= limit and ids == whole[: len(ids)], repr(t[:40])
+    long_text = " ".join(sources) * 200
+    ids, complete = tok.encode_source_bounded(long_text, 256)
+    assert not complete and 256 <= len(ids) < 2000  # a prefix, not the whole text
+
+
+def test_safe_cut_scans_in_chunks_without_missing_a_cut():
+    from relserve.models.tokenization import _SCAN_CHUNK, SPACE_CUT, WORD_CUT, safe_cut
+
+    def reference(text, limit, pattern):
+        if limit >= len(text):
+            return len(text)
+        starts = [m.start() for m in pattern.finditer(text)]
+        before = [k for k in starts if k <= limit]
+        after = [k for k in starts if k > limit]
+        return before[-1] if before else after[0] if after else len(text)
+
+    n = 3 * _SCAN_CHUNK + 10
+    places = [1, 2, 255, 256, 257, _SCAN_CHUNK - 1, _SCAN_CHUNK, _SCAN_CHUNK + 1, 2 * _SCAN_CHUNK + 1, n - 2]
+    for pattern in (WORD_CUT, SPACE_CUT):
+        for cut_at in places:
+            for sep in (" ", "\u2028\u2028"):
+                text = "x" * cut_at + sep + "y" * (n - cut_at)
+                for limit in (0, 300, cut_at - 1, cut_at, cut_at + 1, _SCAN_CHUNK + 5, 2 * _SCAN_CHUNK, n + 5):
+                    assert safe_cut(text, limit, pattern) == reference(text, limit, pattern), (cut_at, sep, limit)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 
@@ -111,6 +112,9 @@ def test_export_graphs_report_and_nodes(exported, checkpoints, kind):
     assert report["parity"]["passed"] and all(s["identical_tokens"] for s in report["parity"]["search"].values())
     assert max(c["encoder_max_abs_diff"] for c in report["parity"]["cases"]) < 1e-4
     assert report["checkpoint_sha256"] == checkpoint_hash(checkpoints[kind], EXPORT_VERSION)
+    # the sha256 of every file written, which the server checks before loading (tests/onnx/test_graph_cache.py)
+    assert report["file_sha256"] == {n: hashlib.sha256((d / n).read_bytes()).hexdigest()
+                                     for n in ("decoder_step.onnx", "encoder.onnx")}
     enc = onnx.load(d / "encoder.onnx")
     dec = onnx.load(d / "decoder_step.onnx")
     onnx.checker.check_model(enc, full_check=True)

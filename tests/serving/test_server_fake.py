@@ -210,9 +210,9 @@ def test_case_C12_oversize_message_resource_exhausted_names_limit(srv):
 
 def test_case_C12_raised_limits_succeed():
     limit = 8 * MIB
-    s = Running(
+    s = Running(  # a 4 MiB text is also over the default max_request_chars (1,000,000): raised with the rest
         server_config(max_receive_message_length=limit, max_send_message_length=limit, metrics_port=None),
-        [runner("sentiment")],
+        [runner("sentiment", config={"max_request_chars": limit})],
         channel_options=[("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)],
     )
     try:

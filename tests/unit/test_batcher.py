@@ -388,3 +388,222 @@ def test_closed_batcher_refuses():
             await b.run([(8, 1)])
 
     run(main())
+
+
+# ---------------------------------------------------------------------- fairness between requests
+
+
+def _batch_of(be: FakeBackend, payload) -> int:
+    """Index of the batch that computed ``payload``."""
+    return next(i for i, batch in enumerate(be.batches) if payload in batch)
+
+
+def _long_and_short(share: float, *, short_after_first_batch: bool):
+    """A 64-window request, then a 1-window request (while the first batch runs, or in the same tick)."""
+
+    async def main():
+        be = FakeBackend(delay=0.02)
+        b = make(be, max_batch_size=8, max_request_batch_share=share)
+        long = asyncio.create_task(b.run([(40, f"L{i}") for i in range(64)]))
+        if short_after_first_batch:
+            while not be.batches:
+                await asyncio.sleep(0.001)
+        else:
+            await asyncio.sleep(0)  # the long request is queued, the worker has not formed a batch yet
+        short = asyncio.create_task(b.run([(40, "S")]))
+        long_units, short_units = await asyncio.gather(long, short)
+        await b.close()
+        return be, [u.result for u in long_units], short_units[0].result
+
+    return run(main())
+
+
+@pytest.mark.parametrize("after_first_batch", [True, False])
+def test_long_request_does_not_starve_a_short_one(after_first_batch):
+    be, long_results, short_result = _long_and_short(0.5, short_after_first_batch=after_first_batch)
+    assert long_results == [f"L{i}" for i in range(64)] and short_result == "S"
+    assert _batch_of(be, "S") <= 1, be.batches  # first or second batch, not after the 64 windows
+    assert len(be.batches) == 9  # 65 units in batches of 8: the cap gave places away, it wasted none
+    assert all(sum(p.startswith("L") for p in batch) <= 8 for batch in be.batches)
+    shared = be.batches[_batch_of(be, "S")]
+    assert len(shared) == 8 and sum(p.startswith("L") for p in shared) == 7  # refilled from the long request
+
+
+def test_without_the_cap_the_short_request_waits_for_the_whole_long_one():
+    """The control for the test above: share 1.0 (no cap) is the old order."""
+    be, _, _ = _long_and_short(1.0, short_after_first_batch=True)
+    assert _batch_of(be, "S") == len(be.batches) - 1 == 8
+
+
+def test_lone_request_still_gets_full_batches():
+    async def main():
+        be = FakeBackend()
+        b = make(be, max_batch_size=8, max_request_batch_share=0.5)
+        units = await b.run([(40, i) for i in range(64)])
+        await b.close()
+        return be, [u.result for u in units]
+
+    be, results = run(main())
+    assert results == [i * 2 for i in range(64)]
+    assert [len(batch) for batch in be.batches] == [8] * 8
+
+
+def test_two_long_requests_share_each_batch():
+    async def main():
+        be = FakeBackend()
+        b = make(be, max_batch_size=8, max_request_batch_share=0.5)
+        a = asyncio.create_task(b.run([(40, f"a{i}") for i in range(16)]))
+        c = asyncio.create_task(b.run([(40, f"c{i}") for i in range(16)]))
+        await asyncio.gather(a, c)
+        await b.close()
+        return be
+
+    be = run(main())
+    assert [(sum(p[0] == "a" for p in batch), sum(p[0] == "c" for p in batch)) for batch in be.batches] == [(4, 4)] * 4
+
+
+def test_cap_is_work_conserving_under_the_token_budget():
+    """The other request's unit does not fit the token budget next to the anchor: the capped request fills
+    the batch instead of leaving places empty."""
+
+    async def main():
+        be = FakeBackend()
+        b = make(be, max_batch_size=8, max_batch_tokens=100, max_request_batch_share=0.5)
+        long = asyncio.create_task(b.run([(10, f"L{i}") for i in range(16)]))
+        big = asyncio.create_task(b.run([(60, "B")]))
+        await asyncio.gather(long, big)
+        await b.close()
+        return be
+
+    be = run(main())
+    # B next to the 10-token anchor would cost 2 x 60 > 100 padded tokens: it can only run alone, so the
+    # places the cap held for others go back to the long request
+    assert be.batches == [[f"L{i}" for i in range(8)], [f"L{i}" for i in range(8, 16)], ["B"]]
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_cap_leaves_a_lone_request_batches_unchanged(padded):
+    """One request alone: the held-back units are taken in the same bucket order, under the same budget, so
+    the batches are exactly those without the cap."""
+    lengths = [10, 200, 12, 190, 11, 205, 40, 45, 300, 9, 14, 180]
+
+    async def main(share):
+        be = FakeBackend()
+        b = make(be, max_batch_size=4, max_batch_tokens=600, is_padded=padded, max_request_batch_share=share)
+        await b.run([(n, n) for n in lengths])
+        await b.close()
+        return be.batches
+
+    capped, uncapped = run(main(0.25)), run(main(1.0))
+    assert capped == uncapped
+    assert sorted(n for batch in capped for n in batch) == sorted(lengths)
+
+
+def test_max_request_batch_share_validated():
+    with pytest.raises(ValueError, match="max_request_batch_share"):
+        Batcher("fake", FakeBackend(), max_request_batch_share=0.0)
+    with pytest.raises(ValueError, match="max_request_batch_share"):
+        Batcher("fake", FakeBackend(), max_request_batch_share=1.5)
+
+
+def test_queue_full_carries_retry_guidance():
+    async def main():
+        be = FakeBackend(delay=0.05)
+        b = make(be, max_queue_size=2, max_batch_size=1)
+        with pytest.raises(ResourceExhausted) as too_big:  # 3 units can never fit max_queue_size 2
+            await b.run([(8, 1), (8, 2), (8, 3)])
+        running = asyncio.create_task(b.run([(8, 1), (8, 2)]))
+        while len(be.batches) < 2:  # one batch measured: the drain rate is known
+            await asyncio.sleep(0.005)
+        waiting = asyncio.create_task(b.run([(8, 3), (8, 4)]))
+        await asyncio.sleep(0)
+        refusals = []
+        for _ in range(3):
+            with pytest.raises(ResourceExhausted) as full:
+                await b.run([(8, 5)])
+            refusals.append(full.value.retry_after_s)
+        await asyncio.gather(running, waiting)
+        await b.close()
+        return too_big.value, refusals
+
+    too_big, refusals = run(main())
+    assert too_big.retry_after_s is None  # no retry makes a request fit max_queue_size
+    assert all(r is not None and 0.01 <= r <= 2.0 for r in refusals), refusals
+    assert refusals[0] < refusals[1] < refusals[2]  # a virtual queue: refused together, told to come back spread out
+
+
+# ---------------------------------------------------------------------- admission before work (reservations)
+
+def test_reservation_counts_against_the_queue_before_submit():
+    async def main():
+        be = HangingBackend()
+        b = make(be, max_batch_size=1, max_queue_size=4)
+        running = asyncio.ensure_future(b.run([(5, "busy")]))
+        await asyncio.sleep(0.05)  # "busy" is computing: the queue is empty
+        r = b.reserve(3)
+        assert (b.reserved, b.queue_depth) == (3, 0)
+        with pytest.raises(ResourceExhausted) as err:
+            b.reserve(2)  # 3 held + 2 > 4, refused with nothing tokenized
+        assert "max_queue_size is 4" in str(err.value) and "3 held by requests being tokenized" in str(err.value)
+        assert err.value.retry_after_s is not None
+        units = b.submit([(5, "a"), (5, "b")], reservation=r)  # fewer than reserved: the rest goes back
+        assert (b.reserved, b.queue_depth, r.places) == (0, 2, 0)
+        r2 = b.reserve(2)
+        with pytest.raises(ResourceExhausted):
+            b.submit([(5, "c")] * 3, reservation=r2)  # more than reserved: the difference must fit too
+        assert b.reserved == 2  # a refused submit keeps the reservation for its owner to release
+        r2.release()
+        r2.release()  # idempotent
+        assert b.reserved == 0
+        be.release.set()
+        await running
+        await b.wait(units)
+        await b.close()
+
+    run(main())
+
+
+def test_reservation_larger_than_the_queue_is_refused_naming_max_queue_size():
+    async def main():
+        b = make(FakeBackend(), max_queue_size=8)
+        with pytest.raises(ResourceExhausted, match="request needs 9 sequences but model 'fake' has max_queue_size 8"):
+            b.reserve(9)
+        assert b.reserved == 0
+        await b.close()
+
+    run(main())
+
+
+def test_reservation_released_on_error_and_on_cancellation():
+    async def main():
+        b = make(FakeBackend(), max_queue_size=4)
+
+        async def tokenize_then_fail():
+            with b.reserve(4):
+                await asyncio.sleep(0)
+                raise ValueError("tokenizer refused the text")
+
+        with pytest.raises(ValueError):
+            await tokenize_then_fail()
+        assert b.reserved == 0
+
+        started = asyncio.Event()
+
+        async def tokenize_slowly():
+            with b.reserve(4) as r:
+                started.set()
+                await asyncio.sleep(10)
+                b.submit([(5, 1)], reservation=r)
+
+        task = asyncio.ensure_future(tokenize_slowly())
+        await started.wait()
+        assert b.reserved == 4
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert (b.reserved, b.queue_depth) == (0, 0)
+        units = await b.run([(5, 1)] * 4)  # all four places are free again
+        assert [u.result for u in units] == [2] * 4
+        await b.close()
+
+    run(main())

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -69,7 +70,24 @@ def test_onnx_keys_and_cache_dir(tmp_path, monkeypatch):
     assert m.backend == "onnx" and m.onnx_intra_op_threads == 2 and m.onnx_graph_optimization == "basic"
     assert m.resolved_onnx_cache_dir() == tmp_path / "c"  # relative to the working directory, made absolute
     assert default_onnx_cache_dir({"XDG_CACHE_HOME": "/x"}).as_posix() == "/x/relserve/onnx"
-    assert default_onnx_cache_dir({}).as_posix() == "/tmp/relserve-cache/onnx"
+    # the user's own cache (XDG Base Directory spec), never a world-writable /tmp path; relative XDG values ignored
+    assert default_onnx_cache_dir({"HOME": "/h"}).as_posix() == "/h/.cache/relserve/onnx"
+    assert default_onnx_cache_dir({"XDG_CACHE_HOME": "rel", "HOME": "/h"}).as_posix() == "/h/.cache/relserve/onnx"
+    assert default_onnx_cache_dir({}) == Path.home() / ".cache" / "relserve" / "onnx"
+
+
+def test_max_request_batch_share(tmp_path):
+    assert load_config(model_specs=[f"a={tmp_path}"]).model("a").max_request_batch_share == 0.5
+    m = load_config(model_specs=[f"a={tmp_path},max_request_batch_share=1"]).model("a")
+    assert m.max_request_batch_share == 1.0
+
+
+def test_request_limit_keys(tmp_path):
+    m = load_config(model_specs=[f"a={tmp_path}"]).model("a")
+    assert (m.max_request_texts, m.max_request_chars, m.max_qa_windows) == (256, 1_000_000, 64)
+    m = load_config(model_specs=[f"a={tmp_path},max_request_texts=8,max_request_chars=5000,max_qa_windows=4,"
+                                 f"max_seq_len=128,doc_stride=62"]).model("a")
+    assert (m.max_request_texts, m.max_request_chars, m.max_qa_windows, m.doc_stride) == (8, 5000, 4, 62)
 
 
 def test_translation_keys(tmp_path):
@@ -95,6 +113,14 @@ def test_translation_keys(tmp_path):
     ("a={d},scheduling=sometimes", "scheduling 'sometimes'"),
     ("a={d},beam_size=17", "beam_size"),
     ("a={d},max_active_hypotheses=0", "max_active_hypotheses"),
+    ("a={d},max_request_batch_share=0", "max_request_batch_share must be > 0 and <= 1"),
+    ("a={d},max_request_batch_share=1.5", "max_request_batch_share must be > 0 and <= 1"),
+    ("a={d},max_request_batch_share=half", "max_request_batch_share must be a number"),
+    ("a={d},max_request_texts=0", "max_request_texts must be >= 1"),
+    ("a={d},max_request_chars=0", "max_request_chars must be >= 1"),
+    ("a={d},max_qa_windows=0", "max_qa_windows must be >= 1"),
+    ("a={d},max_qa_windows=many", "max_qa_windows must be an integer"),
+    ("a={d},max_seq_len=128,doc_stride=63", "doc_stride 63 is over the limit of 62 tokens for max_seq_len 128"),
 ])
 def test_config_errors_are_clear(tmp_path, spec, fragment):
     with pytest.raises(ConfigError) as err:
@@ -111,3 +137,206 @@ def test_cli_config_error_exits_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "relserve.service.main", "serve", "--model", f"a={tmp_path}/missing"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "is not a directory" in proc.stderr
+
+
+# ---------------------------------------------------------------------- transport security and auth
+
+
+@pytest.fixture
+def pki(tmp_path):
+    from fixtures.tls import make_pki
+
+    return make_pki(tmp_path / "pki")
+
+
+def test_security_keys_from_file_are_relative_to_it(tmp_path, pki, monkeypatch):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "pki" / "tokens").write_text("# comment\n\n  tok-1  \ntok-2\n")
+    cfg_file = tmp_path / "relserve.yaml"
+    cfg_file.write_text(textwrap.dedent(f"""
+        tls_cert: pki/{pki.server_cert.name}
+        tls_key: pki/{pki.server_key.name}
+        tls_client_ca: {pki.ca_cert}
+        auth_token_file: pki/tokens
+        auth_health: true
+        reflection: false
+        metrics_host: 127.0.0.1
+        health_port: 8081
+        health_host: 0.0.0.0
+        models: [{{name: a, path: m}}]
+    """))
+    monkeypatch.chdir(tmp_path / "m")  # relative paths follow the file, not the working directory
+    cfg = load_config(cfg_file)
+    assert (cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) == (pki.server_cert, pki.server_key, pki.ca_cert)
+    assert cfg.auth_token_file == tmp_path / "pki" / "tokens" and cfg.auth_health is True
+    assert cfg.reflection is False and cfg.metrics_host == "127.0.0.1"
+    assert (cfg.health_port, cfg.health_host) == (8081, "0.0.0.0")
+    # command-line paths are relative to the working directory
+    monkeypatch.chdir(tmp_path / "pki")
+    flags = load_config(cfg_file, overrides={"tls_cert": pki.server_cert.name, "reflection": True})
+    assert flags.tls_cert == pki.server_cert and flags.reflection is True
+
+
+def test_security_defaults(tmp_path):
+    cfg = load_config(model_specs=[f"a={tmp_path}"])
+    assert (cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca, cfg.auth_token_file) == (None, None, None, None)
+    assert cfg.reflection is True and cfg.auth_health is False
+    assert (cfg.metrics_host, cfg.health_port, cfg.health_host) == (None, None, None)
+
+
+def test_token_file_parsing(tmp_path):
+    from relserve.service.auth import read_tokens
+
+    path = tmp_path / "tokens"
+    path.write_text("# ops team\n\nabc\n   # indented comment\n  def  \r\nabc\n")
+    assert read_tokens(path) == (b"abc", b"def", b"abc")
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"tls_cert": "{server_cert}"}, "tls_cert is set but tls_key is not"),
+    ({"tls_key": "{server_key}"}, "tls_key is set but tls_cert is not"),
+    ({"tls_client_ca": "{ca_cert}"}, "tls_client_ca (client certificates, mTLS) needs TLS"),
+    ({"tls_cert": "{d}/missing.pem", "tls_key": "{server_key}"}, "tls_cert: cannot read"),
+    ({"tls_cert": "{server_cert}", "tls_key": "{d}/missing.pem"}, "tls_key: cannot read"),
+    ({"tls_cert": "{server_cert}", "tls_key": "{server_key}", "tls_client_ca": "{d}/missing.pem"},
+     "tls_client_ca: cannot read"),
+    ({"tls_cert": "{server_key}", "tls_key": "{server_key}"}, "holds no PEM certificate"),
+    ({"tls_cert": "{server_cert}", "tls_key": "{server_cert}"}, "holds no PEM private key"),
+    ({"tls_cert": "{server_cert}", "tls_key": "{other_key}"}, "the key is not the certificate's"),
+    ({"tls_cert": "{server_cert}", "tls_key": "{server_key}", "tls_client_ca": "{server_key}"},
+     "holds no PEM CA certificate"),
+    ({"tls_cert": ""}, "tls_cert is empty"),
+    ({"auth_token_file": "{d}/missing"}, "auth_token_file: cannot read"),
+    ({"auth_token_file": "{d}/empty"}, "holds no token"),
+    ({"auth_token_file": "{d}/comments"}, "holds no token"),
+    ({"auth_token_file": "{d}/spaced"}, "line 2: a token must be printable ASCII without spaces"),
+    ({"auth_health": True}, "auth_health: true needs auth_token_file"),
+    ({"reflection": "maybe"}, "reflection must be true or false"),
+    ({"health_port": 70000}, "health_port must be between 0 and 65535"),
+    ({"health_port": 50051}, "health_port 50051 is already the gRPC or the metrics port"),
+    ({"health_host": " "}, "health_host is empty"),
+    ({"metrics_host": ""}, "metrics_host is empty"),
+])
+def test_security_config_errors_are_clear(tmp_path, pki, overrides, fragment):
+    (tmp_path / "empty").write_text("")
+    (tmp_path / "comments").write_text("# nothing but comments\n\n   \n")
+    (tmp_path / "spaced").write_text("good-token\nsecret with spaces\n")
+    paths = {"d": tmp_path, **{k: getattr(pki, k) for k in ("server_cert", "server_key", "ca_cert", "other_key")}}
+    values = {k: v.format(**paths) if isinstance(v, str) else v for k, v in overrides.items()}
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=values, model_specs=[f"a={tmp_path}"])
+    assert fragment in str(err.value)
+    assert "secret with spaces" not in str(err.value)  # a token file's content is never quoted
+
+
+def test_encrypted_tls_key_is_refused(tmp_path, pki):
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(pki.server_key.read_bytes(), None)
+    encrypted = tmp_path / "encrypted.key"
+    encrypted.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                            serialization.BestAvailableEncryption(b"passphrase")))
+    with pytest.raises(ConfigError, match="is encrypted; gRPC needs an unencrypted PEM key"):
+        load_config(overrides={"tls_cert": str(pki.server_cert), "tls_key": str(encrypted)},
+                    model_specs=[f"a={tmp_path}"])
+
+
+# ---------------------------------------------------------------------- connection management
+
+def test_connection_keys_defaults_file_and_grpc_options(tmp_path):
+    from relserve.service.server import connection_options
+
+    cfg = load_config(model_specs=[f"a={tmp_path}"])
+    assert (cfg.max_connection_age, cfg.max_connection_age_grace) == (300.0, 30.0)
+    assert (cfg.keepalive_time, cfg.keepalive_timeout, cfg.keepalive_min_ping_interval) == (60.0, 20.0, 10.0)
+    assert cfg.keepalive_permit_without_calls is True
+    assert dict(connection_options(cfg)) == {
+        "grpc.max_connection_age_ms": 300_000, "grpc.max_connection_age_grace_ms": 30_000,
+        "grpc.keepalive_time_ms": 60_000, "grpc.keepalive_timeout_ms": 20_000,
+        "grpc.http2.min_ping_interval_without_data_ms": 10_000, "grpc.keepalive_permit_without_calls": 1,
+    }
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(textwrap.dedent(f"""
+        max_connection_age: null
+        keepalive_time: 0
+        keepalive_min_ping_interval: 2.5
+        keepalive_permit_without_calls: false
+        models: [{{name: a, path: {tmp_path}}}]
+    """))
+    off = load_config(cfg_file)
+    opts = dict(connection_options(off))
+    assert off.max_connection_age is None and "grpc.max_connection_age_ms" not in opts  # no GOAWAY by age
+    assert opts["grpc.keepalive_time_ms"] == 2**31 - 1  # 0: the server never pings
+    assert opts["grpc.http2.min_ping_interval_without_data_ms"] == 2500
+    assert opts["grpc.keepalive_permit_without_calls"] == 0
+    zero = load_config(cfg_file, overrides={"max_connection_age": 0})
+    assert "grpc.max_connection_age_ms" not in dict(connection_options(zero))
+    short = load_config(cfg_file, overrides={"max_connection_age": "1.5", "max_connection_age_grace": 0})
+    assert dict(connection_options(short))["grpc.max_connection_age_ms"] == 1500
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"max_connection_age": -1}, "max_connection_age must be between 0 and 2000000 seconds, got -1"),
+    ({"max_connection_age": 0.01}, "max_connection_age must be 0 (off) or at least 0.1 seconds"),
+    ({"max_connection_age": 3e6}, "max_connection_age must be between 0 and 2000000 seconds"),
+    ({"max_connection_age_grace": -0.5}, "max_connection_age_grace must be between 0 and"),
+    ({"keepalive_time": "nan"}, "keepalive_time must be between 0 and"),
+    ({"keepalive_time": "soon"}, "keepalive_time must be a number"),
+    ({"keepalive_timeout": 0}, "keepalive_timeout must be > 0 seconds when keepalive_time is on"),
+    ({"keepalive_min_ping_interval": -1}, "keepalive_min_ping_interval must be between 0 and"),
+    ({"keepalive_permit_without_calls": "sometimes"}, "keepalive_permit_without_calls must be true or false"),
+])
+def test_connection_config_errors_are_clear(tmp_path, overrides, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=overrides, model_specs=[f"a={tmp_path}"])
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("value", [-1, "nan", "inf", 1e300])
+def test_drain_timeout_must_be_finite_and_bounded(tmp_path, value):
+    # NaN fired the exit deadline at once (exit 1 on every SIGTERM); inf / 1e300 killed the deadline
+    # thread with OverflowError, so a hung drain had no backstop.
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides={"drain_timeout": value}, model_specs=[f"a={tmp_path}"])
+    assert "drain_timeout must be between 0 and 86400 seconds" in str(err.value)
+    assert load_config(overrides={"drain_timeout": 86400}, model_specs=[f"a={tmp_path}"]).drain_timeout == 86400
+
+
+# ---------------------------------------------------------------------- compute scheduling (service/compute.py)
+
+
+def test_compute_keys_defaults_and_overrides(tmp_path):
+    cfg = load_config(model_specs=[f"a={tmp_path}"])
+    m = cfg.model("a")
+    assert cfg.compute_scheduling == "partition"
+    assert (m.max_batch_time_ms, m.torch_intra_op_threads) == (20.0, 0)
+    cfg = load_config(overrides={"compute_scheduling": "fair"},
+                      model_specs=[f"a={tmp_path},max_batch_time_ms=0,torch_intra_op_threads=3"])
+    assert cfg.compute_scheduling == "fair"
+    assert (cfg.model("a").max_batch_time_ms, cfg.model("a").torch_intra_op_threads) == (0.0, 3)
+    (tmp_path / "c.yaml").write_text(f"compute_scheduling: shared\nmodels:\n  - name: a\n    path: {tmp_path}\n")
+    assert load_config(tmp_path / "c.yaml").compute_scheduling == "shared"
+
+
+@pytest.mark.parametrize("overrides, spec, fragment", [
+    ({"compute_scheduling": "roundrobin"}, "a={d}",
+     "compute_scheduling 'roundrobin' is not one of ['partition', 'fair', 'shared']"),
+    ({}, "a={d},max_batch_time_ms=-1", "max_batch_time_ms must be between 0 (no cap) and 60000 milliseconds"),
+    ({}, "a={d},max_batch_time_ms=nan", "max_batch_time_ms must be between 0 (no cap) and 60000"),
+    ({}, "a={d},max_batch_time_ms=soon", "max_batch_time_ms must be a number"),
+    ({}, "a={d},torch_intra_op_threads=-1", "torch_intra_op_threads must be >= 0"),
+    ({}, "a={d},torch_intra_op_threads=two", "torch_intra_op_threads must be an integer"),
+])
+def test_compute_config_errors_are_clear(tmp_path, overrides, spec, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=overrides, model_specs=[spec.format(d=tmp_path)])
+    assert fragment in str(err.value)
+
+
+def test_compute_scheduling_flag(tmp_path):
+    from relserve.service.main import build_parser, config_from_args
+
+    args = build_parser().parse_args(["serve", "--model", f"a={tmp_path}", "--compute-scheduling", "shared"])
+    assert config_from_args(args).compute_scheduling == "shared"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--compute-scheduling", "sometimes"])

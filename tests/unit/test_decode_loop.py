@@ -296,6 +296,25 @@ def test_request_of_many_texts_and_queue_limit():
     assert [o[0].tokens for o in out] == [[1], [2, 3], [3, 4, 5]]
 
 
+def test_reservations_count_against_the_queue_and_are_consumed_or_released():
+    async def main():
+        loop = await _loop(FakeStepBackend(), max_queue_size=3)
+        r = loop.reserve(2)  # a request of two texts being encoded
+        with pytest.raises(ResourceExhausted, match="2 held by requests being tokenized"):
+            loop.reserve(2)
+        seqs = loop.submit([(src(1, 2), P1)], reservation=r)  # one text was blank: one place goes back
+        assert (loop.reserved_places, r.places) == (0, 0)
+        with loop.reserve(2):
+            pass  # an error or cancellation while encoding leaves the with block: released
+        assert loop.reserved_places == 0
+        await loop.wait(seqs)
+        await loop.close()
+        return seqs
+
+    (seq,) = run(main())
+    assert seq.result[0].tokens == [1, 2]
+
+
 def test_slow_steps_run_off_the_event_loop_and_stream_updates():
     async def main():
         be = FakeStepBackend(delay=0.03)
@@ -321,3 +340,24 @@ def test_slow_steps_run_off_the_event_loop_and_stream_updates():
     assert all(name.startswith("relserve-m") for name in be.threads)
     assert seen == [(1, [40]), (2, [40, 41]), (3, [40, 41, 42]), (4, [40, 41, 42, 43])]
     assert result[0].tokens == [40, 41, 42, 43, 44] and math.isfinite(result[0].score)
+
+
+def test_queue_full_carries_retry_guidance_unless_the_request_can_never_fit():
+    async def main():
+        loop = await _loop(FakeStepBackend(delay=0.05), max_queue_size=2, max_active_hypotheses=1)
+        running = asyncio.create_task(loop.run([(src(1, 3), P1)]))
+        while loop.active_sequences == 0:
+            await asyncio.sleep(0.005)
+        waiting = asyncio.create_task(loop.run([(src(2, 1), P1), (src(3, 1), P1)]))
+        await asyncio.sleep(0)
+        with pytest.raises(ResourceExhausted) as full:
+            loop.submit([(src(4, 1), P1)])
+        with pytest.raises(ResourceExhausted) as never:
+            loop.submit([(src(i + 5, 1), P1) for i in range(3)])
+        await asyncio.gather(running, waiting)
+        await loop.close()
+        return full.value, never.value
+
+    full, never = run(main())
+    assert full.retry_after_s is not None and 0.01 <= full.retry_after_s <= 2.0
+    assert never.retry_after_s is None

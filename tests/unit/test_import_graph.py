@@ -29,7 +29,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 # package directory -> dotted package (pyproject's [tool.setuptools.package-dir])
 PACKAGE_DIRS = {"models": "relserve.models", "service": "relserve.service", "loadtest": "relserve.loadtest"}
-SCHEDULING_AND_API = ("batcher", "decode_loop", "queueing", "api", "config", "errors")
+SCHEDULING_AND_API = ("batcher", "decode_loop", "queueing", "compute", "api", "config", "errors", "drain", "health")
 MODEL_FILES = ("relserve.models.deberta", "relserve.models.rnnsearch")
 ONNX_PACKAGES = {"onnx", "onnxruntime", "onnxscript"}
 

@@ -257,7 +257,8 @@ def test_multilingual_gold_answers_round_trip(tok, sample):
         ans = row["answers"][0]
         a0, a1 = ans["answer_start"], ans["answer_start"] + len(ans["text"])
         assert ctx[a0:a1] == ans["text"]
-        windows = tok.qa_windows(row["question"], ctx, 192, 64)
+        # clamp_stride: the tiny test tokenizer makes some questions long (65 tokens leave room for an overlap of 62)
+        windows = tok.qa_windows(row["question"], ctx, 192, 64, clamp_stride=True)
         # the first window holding the whole answer
         for w_i, w in enumerate(windows):
             idx = [i for i, o in enumerate(w.context_offsets) if o and o[0] < a1 and o[1] > a0 and o[1] > o[0]]
@@ -275,3 +276,32 @@ def test_multilingual_gold_answers_round_trip(tok, sample):
     # token boundaries of a tiny vocabulary do not always fall on answer boundaries (Chinese especially)
     print(f"{sample}: {exact}/{total} exact")
     assert exact / total > 0.85, (exact, total)
+
+
+# ---- per-request limits (checked before any tokenizing) ---------------------------------------------------
+
+
+def test_classify_request_size_limits_name_the_keys():
+    with pytest.raises(InvalidArgument, match=r"257 texts; model 'm' takes at most 256 per request "
+                                              r"\(max_request_texts\)"):
+        classify.validate_classify(["a"] * 257, None, 0, 2, "m", max_texts=256, max_chars=10**6)
+    with pytest.raises(InvalidArgument, match=r"has 12 characters; .* at most 11 per request \(max_request_chars\)"):
+        classify.validate_classify(["abcd", "ef"], ["ghijkl", ""], 0, 2, "m", max_texts=256, max_chars=11)
+    # the size limits come first: a request over them is refused before any per-text work
+    with pytest.raises(InvalidArgument, match="max_request_chars"):
+        classify.validate_classify(["   "], None, 0, 2, "m", max_chars=2)
+    assert classify.validate_classify(["abcd", "ef"], ["ghijk", "l"], 0, 2, "m", max_texts=2, max_chars=12)[0]
+
+
+def test_answer_limits_doc_stride_and_default_flag():
+    common = dict(top_k=0, max_answer_len=0, allow_impossible=False, null_threshold=None, max_seq_len=64,
+                  default_max_answer_len=30, default_doc_stride=16)
+    opts = qa.validate_answer("q", "c", doc_stride=0, **common)
+    assert opts.doc_stride == 16 and opts.stride_is_default
+    opts = qa.validate_answer("q", "c", doc_stride=30, **common)  # (64 - 4) // 2
+    assert opts.doc_stride == 30 and not opts.stride_is_default
+    with pytest.raises(InvalidArgument, match="doc_stride 31 is over the limit of 30 tokens"):
+        qa.validate_answer("q", "c", doc_stride=31, **common)
+    with pytest.raises(InvalidArgument, match=r"has 9 characters; model 'qa' .* \(max_request_chars\)"):
+        qa.validate_answer("what", "ctxxx", doc_stride=0, max_chars=8, model="qa", **common)
+

@@ -71,3 +71,37 @@ def test_answer_options_defaults_and_limits():
         args.update(kw)
         with pytest.raises(InvalidArgument, match=fragment):
             qa.validate_answer("q", "c", **args, **common)
+
+
+def test_request_size_limits_name_the_keys():
+    from dataclasses import replace
+
+    import pytest
+
+    from relserve.service.errors import InvalidArgument
+
+    cfg = replace(CFG, max_request_texts=3, max_request_chars=20)
+    opts = dict(beam_size=0, n_best=0, max_length=0, return_alignment=False, config=cfg)
+    with pytest.raises(InvalidArgument, match=r"4 texts; model 'tr' takes at most 3 per request \(max_request_texts\)"):
+        translate.validate_translate(["a"] * 4, **opts)
+    with pytest.raises(InvalidArgument, match=r"21 characters; .* at most 20 per request \(max_request_chars\)"):
+        translate.validate_translate(["a" * 11, "b" * 10], **opts)
+    assert translate.validate_translate(["a" * 10, "b" * 10], **opts).beam_size == 4
+
+
+def test_too_long_source_is_refused_from_a_prefix(tmp_path):
+    import pytest
+
+    from fixtures.translation import sentence_pairs
+    from relserve.models.tokenization import TranslationTokenizer, train_sentencepiece
+    from relserve.service.errors import InvalidArgument
+
+    spm_path = train_sentencepiece([s for s, _ in sentence_pairs()], tmp_path / "s.spm", 160)
+    tok = TranslationTokenizer(spm_path, spm_path)
+    fits = "Guten Morgen."
+    (ids,) = translate.preprocess(tok, [fits], 64, "tr")
+    assert ids == tok.encode_source(fits)
+    assert translate.preprocess(tok, [" \u200b"], 64, "tr") == [None]
+    long_text = "Das ist ein Satz. " * 20000
+    with pytest.raises(InvalidArgument, match=r"texts\[1\] has more than 64 source tokens .* max_source_tokens 64"):
+        translate.preprocess(tok, [fits, long_text], 64, "tr")
