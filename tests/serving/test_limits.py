@@ -63,7 +63,7 @@ def checkpoints(unigram_tokenizer_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def srv(checkpoints):
     common = dict(device="cpu", max_seq_len=MAX_SEQ_LEN, max_queue_delay=0.002)
-    slow = fake_runner("slowtok", config={"max_queue_size": 2, "max_queue_delay": 0.0})
+    slow = fake_runner("limits-slowtok", config={"max_queue_size": 2, "max_queue_delay": 0.0})
     slow.tasks = _SlowCountingTokenization()
     runners = [
         build_runner(ModelConfig(name="cls", path=checkpoints["cls"], **common)),
@@ -228,22 +228,22 @@ def test_queues_and_reservations_are_empty_after_the_refusals(srv):
 # ---------------------------------------------------------------------- admission before work
 
 def test_queue_full_is_refused_before_tokenizing_and_reservations_come_back(srv):
-    slow = srv.server.registry.runners["slowtok"]
+    slow = srv.server.registry.runners["limits-slowtok"]
     tasks = slow.tasks
     before = tasks.calls
-    first = srv.stub.Classify.future(pb.ClassifyRequest(model="slowtok", texts=["good", "good good"]), timeout=20)
+    first = srv.stub.Classify.future(pb.ClassifyRequest(model="limits-slowtok", texts=["good", "good good"]), timeout=20)
     assert _wait_until(lambda: tasks.calls == before + 1)  # it is tokenizing, holding both places
     assert slow.batcher.reserved == 2 and slow.batcher.queue_depth == 0
-    code, details = _code(srv.stub.Classify, pb.ClassifyRequest(model="slowtok", texts=["bad"]), timeout=20)
+    code, details = _code(srv.stub.Classify, pb.ClassifyRequest(model="limits-slowtok", texts=["bad"]), timeout=20)
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max_queue_size is 2" in details and "2 held by requests being tokenized" in details
     assert tasks.calls == before + 1  # the refused request was not tokenized
     assert [r.labels[0].label for r in first.result(timeout=20).results] == ["positive", "positive"]
 
-    cancelled = srv.stub.Classify.future(pb.ClassifyRequest(model="slowtok", texts=["x", "y"]), timeout=20)
+    cancelled = srv.stub.Classify.future(pb.ClassifyRequest(model="limits-slowtok", texts=["x", "y"]), timeout=20)
     assert _wait_until(lambda: slow.batcher.reserved == 2)
     cancelled.cancel()
     assert _wait_until(lambda: slow.batcher.reserved == 0 and slow.batcher.queue_depth == 0)
-    again = srv.stub.Classify(pb.ClassifyRequest(model="slowtok", texts=["good", "bad"]), timeout=20)
+    again = srv.stub.Classify(pb.ClassifyRequest(model="limits-slowtok", texts=["good", "bad"]), timeout=20)
     assert [r.labels[0].label for r in again.results] == ["positive", "negative"]
 
