@@ -43,11 +43,12 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.host = "127.0.0.1"  # what the server binds and clients dial
         self._log = tempfile.NamedTemporaryFile("w+", prefix="relserve-", suffix=".log", delete=False)
 
     @property
     def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def metrics_url(self) -> str | None:
@@ -61,10 +62,13 @@ class ServerProcess:
     def log_text(self) -> str:
         return Path(self._log.name).read_text(errors="replace")
 
+    def command(self) -> list[str]:
+        """The child's command line (a subclass may run something else that logs the same lines)."""
+        return [self.python, "-m", "relserve.service.main", "serve", "--host", self.host, "--port", "0",
+                "--metrics-port", "0", *self.args, "--log-level", "INFO"]  # ports are read from INFO lines
+
     def start(self) -> "ServerProcess":
-        cmd = [self.python, "-m", "relserve.service.main", "serve", "--host", "127.0.0.1", "--port", "0",
-               "--metrics-port", "0", *self.args, "--log-level", "INFO"]  # ports are read from INFO lines
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         end = time.monotonic() + self.start_timeout
         while time.monotonic() < end:
             text = self.log_text()

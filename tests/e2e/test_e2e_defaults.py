@@ -28,6 +28,7 @@ from relserve.service._proto import inference_pb2 as pb
 from relserve.service._proto import inference_pb2_grpc as pb_grpc
 
 from fixtures.data import jsonl, qa_rows
+from fixtures.server import defaults_server
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULTS = REPO / "defaults"
@@ -35,17 +36,8 @@ DEFAULTS = REPO / "defaults"
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess([], start_timeout=300).start()
-    channel = grpc.insecure_channel(srv.target)
-    try:
-        yield srv, pb_grpc.InferenceStub(channel), channel
-    finally:
-        channel.close()
-        code = srv.stop()
-        log = srv.log_text()
-        srv.close()
-    assert code == 0, log[-3000:]
-    assert "Traceback" not in log, log[-3000:]
+    with defaults_server() as running:
+        yield running
 
 
 def _code(fn, *args, **kwargs) -> grpc.StatusCode:

@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relserve.loadtest.serverproc import ServerProcess
 from relserve.service._proto import inference_pb2 as pb
-from relserve.service._proto import inference_pb2_grpc as pb_grpc
+
+from fixtures.server import defaults_server
 
 # What a client mistake, a full queue or a slow request may get; never UNKNOWN or INTERNAL.
 ALLOWED = {
@@ -57,19 +57,8 @@ SEEN: collections.Counter = collections.Counter()  # (rpc, status code name) -> 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess([], start_timeout=300).start()
-    channel = grpc.insecure_channel(srv.target)
-    stub = pb_grpc.InferenceStub(channel)
-    known = _known_answers(stub)
-    try:
-        yield srv, stub, channel, known
-    finally:
-        channel.close()
-        code = srv.stop()
-        log = srv.log_text()
-        srv.close()
-    assert code == 0, log[-3000:]
-    assert "Traceback" not in log, log[-3000:]
+    with defaults_server() as (srv, stub, channel):
+        yield srv, stub, channel, _known_answers(stub)
 
 
 def _known_answers(stub) -> tuple:
