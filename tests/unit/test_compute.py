@@ -282,12 +282,21 @@ def test_cost_model_splits_batches_into_pieces_within_the_budget():
     cm.observe(512, 0.100)  # ~0.2 ms per padded token: one 512-token window is over the budget already
     assert cm.split([512] * 4) == [[0], [1], [2], [3]]  # every window alone, still in batch order
     assert cm.split([]) == [] and cm.split([9999]) == [[0]]
-    cm = CostModel(max_batch_time=0.25)
+    cm = CostModel(max_batch_time=0.25, min_piece_tokens=0)
     cm.observe(100, 1.0)  # 10 ms per token: 25 tokens per piece
     assert cm.split([10] * 6) == [[0, 1], [2, 3], [4, 5]]  # padded: 2 x 10 = 20 tokens fits, 3 x 10 does not
     assert cm.split([10, 10, 3, 3, 3], is_padded=False) == [[0, 1, 2], [3, 4]]  # unpadded: sums
     assert cm.split([5, 20, 5], is_padded=True) == [[0], [1], [2]]  # 2 x 20 = 40 > 25
     assert CostModel(max_batch_time=0.0).split([10] * 6) == [list(range(6))]  # 0: no cap
+
+
+def test_cost_model_never_cuts_pieces_of_short_texts_below_min_piece_tokens():
+    """Contention-swollen estimates must not turn a queue of short texts into one-text calls."""
+    cm = CostModel(max_batch_time=0.020)  # default floor: 512 padded tokens
+    cm.observe(16, 0.037)  # one 16-token text measured at 37 ms while clients took the cores
+    assert cm.split([16] * 32) == [list(range(32))]  # 32 x 16 = 512 tokens: not cut
+    assert cm.split([16] * 40) == [list(range(32)), list(range(32, 40))]  # cut only past the floor
+    assert cm.split([384] * 3) == [[0], [1], [2]]  # QA windows: 2 x 384 > 512, each alone
 
 
 # ------------------------------------------------------------------------------------ batcher and decode loop
@@ -309,6 +318,7 @@ def test_batcher_runs_a_formed_batch_in_pieces_each_taking_the_slot():
     async def main():
         b = Batcher("fake", be, max_queue_delay=0.0, compute=sched.lane("fake", max_hold=0.25))
         b.cost_model.observe(100, 1.0)  # as if measured: 10 ms per padded token
+        b.cost_model.min_piece_tokens = 0  # tiny units here; the floor has its own test
         b.start()
         gate = threading.Event()
         other = sched.lane("other")
