@@ -311,6 +311,17 @@ class RecordingBackend:
         return [p * 2 for p in payloads]
 
 
+async def behind_another_model(sched, batcher, items):
+    """Model "other" holds the slot (until ``gate`` is set) while ``batcher`` runs ``items``; returns
+    ``(task, gate, thread)`` once the batch waits for the slot."""
+    gate = threading.Event()
+    t, _ = in_thread(sched.lane("other").run, blocker([], "other", gate), None)
+    await async_until(lambda: sched.holder == "other", "other to hold")
+    task = asyncio.ensure_future(batcher.run(items))
+    await async_until(lambda: sched.waiting == ["fake"], "the batch to wait for the slot")
+    return task, gate, t
+
+
 def test_batcher_runs_a_formed_batch_in_pieces_each_taking_the_slot():
     sched = ComputeScheduler("fair")
     be = RecordingBackend()
@@ -320,12 +331,7 @@ def test_batcher_runs_a_formed_batch_in_pieces_each_taking_the_slot():
         b.cost_model.observe(100, 1.0)  # as if measured: 10 ms per padded token
         b.cost_model.min_piece_tokens = 0  # tiny units here; the floor has its own test
         b.start()
-        gate = threading.Event()
-        other = sched.lane("other")
-        t, _ = in_thread(other.run, blocker([], "other", gate), None)  # hold the slot while the batch forms
-        await async_until(lambda: sched.holder == "other", "other to hold")
-        task = asyncio.ensure_future(b.run([(10, i) for i in range(6)]))
-        await async_until(lambda: sched.waiting == ["fake"], "the batch to wait for the slot")
+        task, gate, t = await behind_another_model(sched, b, [(10, i) for i in range(6)])
         gate.set()
         units = await task
         t.join(GUARD)
@@ -346,11 +352,7 @@ def test_batcher_work_cancelled_while_waiting_for_the_slot_never_runs():
     async def main():
         b = Batcher("fake", be, max_queue_delay=0.0, compute=sched.lane("fake"))
         b.start()
-        gate = threading.Event()
-        t, _ = in_thread(sched.lane("other").run, blocker([], "other", gate), None)
-        await async_until(lambda: sched.holder == "other", "other to hold")
-        task = asyncio.ensure_future(b.run([(5, 1), (5, 2)]))
-        await async_until(lambda: sched.waiting == ["fake"], "the batch to wait for the slot")
+        task, gate, t = await behind_another_model(sched, b, [(5, 1), (5, 2)])
         task.cancel()  # the client went away while its batch waited for the cores
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -373,11 +375,7 @@ def test_batcher_close_while_waiting_for_the_slot_does_not_hang():
     async def main():
         b = Batcher("fake", be, max_queue_delay=0.0, compute=sched.lane("fake"))
         b.start()
-        gate = threading.Event()
-        t, _ = in_thread(sched.lane("other").run, blocker([], "other", gate), None)
-        await async_until(lambda: sched.holder == "other", "other to hold")
-        task = asyncio.ensure_future(b.run([(5, 1)]))
-        await async_until(lambda: sched.waiting == ["fake"], "the batch to wait for the slot")
+        task, gate, t = await behind_another_model(sched, b, [(5, 1)])
         await b.close()
         assert sched.waiting == []  # the waiting backend thread gave up
         with pytest.raises(Unavailable, match="shutting down"):
