@@ -29,7 +29,8 @@ from .config import COMPUTE_SCHEDULING, ConfigError, ServerConfig, load_config
 log = logging.getLogger("relserve")
 
 EXIT_MARGIN_S = 0.45   # after drain_timeout the deadline thread ends the process (promise: within + 0.5 s)
-EXIT_LINGER_S = 0.1    # after a drain that finished early: time for the last replies to leave the buffers
+EXIT_LINGER_S = 0.3    # after a drain that finished early: time for the last replies (a Watch stream's NOT_SERVING
+                      # and its end) to leave grpc's buffers; 0.1 s lost them on a loaded 2-core machine
 
 
 def build_parser() -> argparse.ArgumentParser:
