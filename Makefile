@@ -3,24 +3,35 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 SERVE_ARGS ?=
+# ONNX Runtime flavour (pyproject extras): onnx-gpu (onnxruntime-gpu) where an NVIDIA driver is installed
+# (nvidia-smi on PATH), else onnx (CPU onnxruntime). Override: make test ORT_EXTRA=onnx.
+ORT_EXTRA ?= $(if $(shell command -v nvidia-smi 2>/dev/null),onnx-gpu,onnx)
+ORT_WANT  := $(if $(filter onnx-gpu,$(ORT_EXTRA)),onnxruntime-gpu,onnxruntime)
+ORT_OTHER := $(if $(filter onnx-gpu,$(ORT_EXTRA)),onnxruntime,onnxruntime-gpu)
 
-.PHONY: install install-test proto serve test test-fast bench clean onnx-native bench-onnx gpu-check
+.PHONY: install install-test proto serve test test-fast bench clean onnx-native bench-onnx gpu-check wheel
 
-# Runtime install: editable package + generated gRPC stubs.
-$(BIN)/.relserve-installed: pyproject.toml constraints.txt
+# Runtime install: editable package (its build step generates the gRPC stubs in place), the ONNX Runtime
+# extra for this machine, and grpcio-tools ([dev]) so the checkout regenerates stubs when a .proto changes.
+# onnxruntime and onnxruntime-gpu share the import package `onnxruntime`: when the venv has the other
+# flavour, both are removed first and the wanted one installed fresh (uninstalling one of two would
+# delete files the other needs). One stamp per flavour, so another ORT_EXTRA reinstalls.
+$(BIN)/.relserve-installed-$(ORT_EXTRA): pyproject.toml setup.py constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -c constraints.txt -e .
+	if $(BIN)/python -m pip show -q $(ORT_OTHER) >/dev/null 2>&1; then \
+		$(BIN)/python -m pip uninstall -y $(ORT_OTHER) $(ORT_WANT); fi
+	$(BIN)/python -m pip install -c constraints.txt -e '.[$(ORT_EXTRA),dev]'
 	$(BIN)/python -m relserve.service._proto
 	touch $@
 
 # Test extras (pytest, transformers as the parity oracle) on top of the runtime install.
-$(BIN)/.relserve-test-installed: $(BIN)/.relserve-installed
-	$(BIN)/python -m pip install -c constraints.txt -e '.[test]'
+$(BIN)/.relserve-test-installed-$(ORT_EXTRA): $(BIN)/.relserve-installed-$(ORT_EXTRA)
+	$(BIN)/python -m pip install -c constraints.txt -e '.[test,$(ORT_EXTRA)]'
 	touch $@
 
-install: $(BIN)/.relserve-installed
-install-test: $(BIN)/.relserve-test-installed
+install: $(BIN)/.relserve-installed-$(ORT_EXTRA)
+install-test: $(BIN)/.relserve-test-installed-$(ORT_EXTRA)
 
 proto: install
 	$(BIN)/python -m relserve.service._proto
@@ -53,5 +64,10 @@ gpu-check: install-test
 	$(BIN)/python -m relserve.loadtest.bench_onnx --layers 2 --repeats 2
 	$(BIN)/python -m relserve.loadtest.bench_onnx_translation --repeats 3
 
+# A wheel in dist/ (stubs generated at build time, .proto files and defaults/ inside); install it with the
+# extra you want: pip install -c constraints.txt 'dist/relserve-0.1.0-py3-none-any.whl[onnx]'.
+wheel: install
+	$(BIN)/python -m pip wheel --no-deps -w dist .
+
 clean:
-	rm -rf $(VENV) build *.egg-info service/_proto/*_pb2*.py
+	rm -rf $(VENV) build dist *.egg-info service/_proto/*_pb2*.py

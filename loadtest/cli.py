@@ -5,14 +5,23 @@
     python -m relserve.loadtest sweep --scenario classify --slo-ms 100 --rates 10,20,40,80 --step-duration 10
     python -m relserve.loadtest soak  --requests 20000 --concurrency 8
 
-Common flags: ``--target host:port`` (default 127.0.0.1:50051), ``--metrics-url`` (default
-``http://<target host>:8002/metrics``; ``none`` disables), ``--out DIR`` (default ``loadtest-results``).
-Each command writes ``DIR/<name>.json`` and PNG plots beside it (``<name>-latency.png``,
-``<name>-timeline.png``; ``<name>-sweep.png`` for sweeps); ``<name>`` defaults to ``<command>-<scenario>``.
+    python -m relserve.loadtest run   --scenario qa --data my_questions.jsonl --fail-if 'p99_ms>200'
 
-Exit codes: 0 done (request errors are results, not failures; a scenario the server cannot serve, e.g.
-``translate`` without a translation model, is skipped with a message), 1 the server could not be reached,
-2 bad arguments.
+Common flags: ``--target host:port`` (default 127.0.0.1:50051), ``--metrics-url`` (default
+``http://<target host>:8002/metrics``; ``none`` disables), ``--out DIR`` (default ``loadtest-results``),
+``--data FILE.jsonl`` (the user's own requests, :func:`scenarios.load_requests`), ``--connect-timeout`` (default
+5 s). Each command writes ``DIR/<name>.json``, ``DIR/<name>.csv`` (or ``--csv PATH``; columns
+:data:`report.CSV_COLUMNS`) and PNG plots beside them (``<name>-latency.png``, ``<name>-timeline.png``;
+``<name>-sweep.png`` for sweeps); ``<name>`` defaults to ``<command>-<scenario>``. ``run`` and ``soak`` take
+``--fail-if METRIC OP NUMBER`` (repeatable; :mod:`thresholds`).
+
+Before any request is sent the server must accept a connection and answer ListModels within
+``--connect-timeout``, and every model named with ``--*-model`` must be one it serves for that task.
+
+Exit codes: 0 done (request errors are results; a scenario the server has no model for, e.g. ``translate``
+without a translation model, is skipped with a message), 1 nothing sent: the server could not be reached or
+does not serve a named model, 2 bad arguments or ``--data`` file, 3 a ``--fail-if`` threshold was violated, 4
+every request of the run failed (the results are still written).
 """
 
 from __future__ import annotations
@@ -28,11 +37,14 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from . import generator, promscrape, report
-from .scenarios import SCENARIOS, Scenario, ScenarioUnavailable, models_by_kind, parse_weights
+from . import generator, promscrape, report, thresholds
+from .scenarios import (SCENARIOS, DataFileError, ModelNotServed, Scenario, ScenarioUnavailable, load_requests,
+                        models_by_kind, parse_weights)
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_METRICS_PORT = 8002
+DEFAULT_CONNECT_TIMEOUT = 5.0
+EXIT_OK, EXIT_NOT_RUN, EXIT_USAGE, EXIT_THRESHOLD, EXIT_ALL_FAILED = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -55,6 +67,9 @@ class LoadSpec:
     seed: int = 0
     progress: bool = True
     rss_interval: float | None = None  # sample server RSS every N seconds during the run (soak)
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT  # connect + ListModels before the run
+    data: list[dict[str, str]] | None = None  # --data rows (scenarios.load_requests) instead of committed texts
+    data_file: str | None = None
 
     @property
     def mode(self) -> str:
@@ -78,7 +93,8 @@ class RunResult:
                 "target": s.target, "scenario": s.scenario, "mode": s.mode, "rate": s.rate,
                 "concurrency": s.concurrency, "requests_limit": s.requests, "duration_limit_s": s.duration,
                 "batch": s.batch, "timeout_s": s.timeout, "warmup": s.warmup, "seed": s.seed,
-                "metrics_url": s.metrics_url, "models": self.models,
+                "metrics_url": s.metrics_url, "models": self.models, "data_file": s.data_file,
+                "data_requests": len(s.data) if s.data is not None else None,
             },
             "started_at": self.records.started_at,
         }
@@ -147,11 +163,32 @@ class _Progress:
             self.bar.close()
 
 
+async def connect(ch: grpc.aio.Channel, target: str, timeout: float) -> list[Any]:
+    """Wait up to ``timeout`` s for the channel to connect, then ListModels with the same deadline.
+
+    Raises:
+        ConnectionError: no connection within ``timeout`` (nothing listening, wrong address, a TLS-only
+            server), or ListModels failed; the message says which.
+    """
+    try:
+        await asyncio.wait_for(ch.channel_ready(), timeout)
+    except TimeoutError:
+        raise ConnectionError(f"cannot reach relserve at {target}: no connection within {timeout:g} s "
+                              "(--connect-timeout); is the server running and listening there?") from None
+    try:
+        return await generator.list_models(ch, timeout=timeout)
+    except grpc.aio.AioRpcError as exc:
+        raise ConnectionError(f"relserve at {target} did not answer ListModels within {timeout:g} s: "
+                              f"{exc.code().name}: {exc.details()}") from None
+
+
 async def run_load(spec: LoadSpec) -> RunResult:
     """Connect, discover models, (warm up), scrape, run the loop, scrape again; see :class:`LoadSpec`.
 
     Raises:
-        ConnectionError: the server did not answer ListModels within ``spec.timeout``.
+        ConnectionError: the server did not connect and answer ListModels within ``spec.connect_timeout``.
+        ModelNotServed: a model named in ``spec.models`` is not served for its task (nothing is sent).
+        DataFileError: ``spec.data`` has fewer rows than ``spec.batch``.
         ValueError: inconsistent spec.
     """
     if (spec.rate is None) == (spec.concurrency is None):
@@ -160,15 +197,11 @@ async def run_load(spec: LoadSpec) -> RunResult:
         raise ValueError("bound the run with requests and/or duration")
     ch = generator.channel(spec.target)
     try:
-        try:
-            infos = await generator.list_models(ch, timeout=spec.timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise ConnectionError(f"cannot reach relserve at {spec.target}: {exc.code().name}: {exc.details()}") \
-                from None
+        infos = await connect(ch, spec.target, spec.connect_timeout)
         models = models_by_kind(infos, spec.models)
         try:
             scenario = Scenario(spec.scenario, models, weights=spec.mix, batch=spec.batch,
-                                beam_size=spec.beam_size, seed=spec.seed)
+                                beam_size=spec.beam_size, seed=spec.seed, data=spec.data)
         except ScenarioUnavailable as exc:
             return RunResult(spec, {}, generator.Records(started_at=time.time()), None, [], models, skipped=str(exc))
         used = dict(scenario.models)
@@ -221,7 +254,37 @@ async def _sample_rss(url: str, interval: float, engine: generator.Engine, out: 
             out.append((engine.now(), rss))
 
 
-def write_outputs(result: RunResult, out_dir: Path, name: str, plots: bool = True) -> dict[str, Path]:
+def csv_rows(result: RunResult, command: str) -> list[dict[str, Any]]:
+    """The CSV rows of one run: a single-kind scenario gives one row with the report's top-level numbers; a
+    mix gives an ``all`` row (top level) and one row per request kind (``by_kind``)."""
+    if result.skipped:
+        return []
+    s, summ = result.spec, result.summary
+    base = {"command": command, "scenario": s.scenario, "mode": s.mode, "rate": s.rate,
+            "concurrency": s.concurrency}
+    kinds = list(summ["by_kind"])
+    if len(kinds) == 1:
+        return [{**base, "kind": kinds[0], "model": result.models.get(kinds[0]), **report.flat_metrics(summ)}]
+    rows = [{**base, "kind": "all", "model": "+".join(result.models[k] for k in sorted(result.models)),
+             **report.flat_metrics(summ)}]
+    for k in kinds:
+        rows.append({**base, "kind": k, "model": result.models.get(k),
+                     **report.flat_metrics(summ["by_kind"][k], summ["duration_s"])})
+    return rows
+
+
+def sweep_csv_rows(result: dict[str, Any], scenario: str) -> list[dict[str, Any]]:
+    """One CSV row per sweep step (open loop at the step's rate)."""
+    models = result.get("models", {})
+    model = "+".join(models[k] for k in sorted(models))
+    return [{"command": "sweep", "scenario": scenario, "kind": "all", "model": model, "mode": "open",
+             "rate": step["rate"], "concurrency": None, **report.flat_metrics(step)} for step in result["steps"]]
+
+
+def write_outputs(result: RunResult, out_dir: Path, name: str, plots: bool = True, *, command: str = "run",
+                  csv_path: Path | None = None) -> dict[str, Path]:
+    """Write ``<name>.json``, the CSV (``csv_path`` or ``<name>.csv`` beside the JSON; not for a skipped run)
+    and, with ``plots``, the PNGs into ``out_dir``; returns ``{kind: path}``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
     data = result.to_json()
@@ -232,7 +295,17 @@ def write_outputs(result: RunResult, out_dir: Path, name: str, plots: bool = Tru
                                                      rss=result.rss_samples)
     data["plots"] = {k: str(v) for k, v in paths.items()}
     paths["json"] = report.write_json(data, out_dir / f"{name}.json")
+    rows = csv_rows(result, command)
+    if rows:
+        paths["csv"] = report.write_csv(rows, _csv_target(csv_path, out_dir, name))
     return paths
+
+
+def _csv_target(csv_path: Path | None, out_dir: Path, name: str) -> Path:
+    if csv_path is None:
+        return out_dir / f"{name}.csv"
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    return csv_path
 
 
 def _describe(spec: LoadSpec) -> str:
@@ -256,7 +329,7 @@ def print_summary(result: RunResult, paths: dict[str, Path], stream=None) -> Non
     print(f"  requests {s['requests']}  ok {s['successes']}  errors {s['errors']} {s['errors_by_code'] or ''}",
           file=stream)
     print(f"  throughput {s['throughput_rps']:.1f} req/s over {s['duration_s']:.1f} s", file=stream)
-    print("  latency ms: " + "  ".join(f"{k} {_fmt(lat[k])}" for k in ("p50", "p90", "p99", "p99.9", "max")),
+    print("  latency ms: " + "  ".join(f"{k} {_fmt(lat[k])}" for k in (*(k for k, _ in report.PERCENTILES), "max")),
           file=stream)
     srv = result.server
     if srv:
@@ -292,8 +365,9 @@ async def run_sweep(base: LoadSpec, rates: Sequence[float], slo_ms: float, *, ma
         err_frac = s["errors"] / s["requests"] if s["requests"] else 1.0
         ok = p99 is not None and p99 < slo_ms and err_frac <= max_error_rate
         step = {"rate": float(rate), "passed": ok, "requests": s["requests"], "successes": s["successes"],
-                "errors_by_code": s["errors_by_code"], "throughput_rps": s["throughput_rps"],
-                "latency_ms": s["latency_ms"], "server": res.server}
+                "errors": s["errors"], "error_rate": s["error_rate"], "errors_by_code": s["errors_by_code"],
+                "duration_s": s["duration_s"], "throughput_rps": s["throughput_rps"],
+                "completed_rps": s["completed_rps"], "latency_ms": s["latency_ms"], "server": res.server}
         steps.append(step)
         print(f"  rate {rate:g}/s: p99 {_fmt(p99, ' ms')}, throughput {s['throughput_rps']:.1f}/s, "
               f"errors {s['errors']} -> {'pass' if ok else 'FAIL'}", file=sys.stderr)
@@ -340,6 +414,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--name", help="output file stem (default <command>-<scenario>)")
         p.add_argument("--no-plots", action="store_true", help="write the JSON only")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        p.add_argument("--data", metavar="FILE.jsonl",
+                       help="send these requests instead of the committed texts: one JSON object per line with "
+                            "the scenario's fields (classify: text, optional text_pair; classify-pair: text, "
+                            "text_pair; qa: question, context; translate: text); other fields are ignored")
+        p.add_argument("--csv", metavar="PATH", help="CSV report path (default <out>/<name>.csv beside the JSON)")
+        p.add_argument("--connect-timeout", type=float, default=DEFAULT_CONNECT_TIMEOUT,
+                       help="seconds to connect and list the models before the run; unreachable -> exit 1 "
+                            f"(default {DEFAULT_CONNECT_TIMEOUT:g})")
+
+    def fail_if(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--fail-if", action="append", default=[], type=_threshold, metavar="EXPR",
+                       help="exit 3 if the run's METRIC OP NUMBER holds, e.g. 'p99_ms>200' or 'error_rate>0.01' "
+                            "(repeatable; OP one of > >= < <=; metrics: " + ", ".join(report.METRICS) + ")")
 
     run = sub.add_parser("run", help="one load run (open or closed loop)")
     common(run)
@@ -348,6 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     loop.add_argument("--concurrency", type=int, help="closed loop: this many clients (default 8)")
     run.add_argument("--requests", type=int, help="stop after this many requests (default 1000 if no --duration)")
     run.add_argument("--duration", type=float, help="stop sending after this many seconds")
+    fail_if(run)
 
     sweep = sub.add_parser("sweep", help="step the open-loop rate; find the highest rate whose p99 < --slo-ms")
     common(sweep)
@@ -368,7 +456,15 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--duration", type=float, help="also stop after this many seconds")
     soak.add_argument("--concurrency", type=int, default=8, help="clients (default 8)")
     soak.add_argument("--sample-interval", type=float, default=2.0, help="seconds between RSS samples (default 2)")
+    fail_if(soak)
     return parser
+
+
+def _threshold(expr: str) -> thresholds.Threshold:
+    try:
+        return thresholds.parse(expr)
+    except ValueError as exc:  # argparse prints it after the usage and exits 2
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def spec_from_args(args: argparse.Namespace) -> LoadSpec:
@@ -381,8 +477,10 @@ def spec_from_args(args: argparse.Namespace) -> LoadSpec:
         target=args.target, scenario=args.scenario, metrics_url=metrics_url,
         models={"classify": args.classify_model, "qa": args.qa_model, "translate": args.translate_model},
         mix=parse_weights(args.mix), batch=args.batch, beam_size=args.beam_size, timeout=args.timeout,
-        warmup=args.warmup, seed=args.seed, progress=not args.no_progress,
+        warmup=args.warmup, seed=args.seed, progress=not args.no_progress, connect_timeout=args.connect_timeout,
     )
+    if args.data:
+        spec.data, spec.data_file = load_requests(args.data, args.scenario), args.data
     if args.command == "run":
         spec.rate = args.rate
         spec.concurrency = None if args.rate is not None else (args.concurrency or 8)
@@ -412,11 +510,14 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         parser.error("--batch must be >= 1")
     if args.timeout <= 0:
         parser.error("--timeout must be > 0")
+    if args.connect_timeout <= 0:
+        parser.error("--connect-timeout must be > 0")
     if args.command == "sweep" and not args.rates and args.factor <= 1:
         parser.error("--factor must be > 1")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (module docstring); argparse exits 2 on bad arguments."""
     parser = build_parser()
     args = parser.parse_args(argv)
     _validate(args, parser)
@@ -442,6 +543,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                        f"relserve {args.scenario} rate sweep")
             result["plots"] = {k: str(v) for k, v in paths.items()}
             paths["json"] = report.write_json(result, out_dir / f"{name}.json")
+            if result["steps"]:
+                paths["csv"] = report.write_csv(sweep_csv_rows(result, args.scenario),
+                                                _csv_target(Path(args.csv) if args.csv else None, out_dir, name))
             best = result["best_rate"]
             print(f"highest rate with p99 < {args.slo_ms:g} ms: "
                   f"{'none of the rates tried' if best is None else f'{best:g} req/s'}")
@@ -449,10 +553,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  {key}: {p}")
             return 0
         result = asyncio.run(run_load(spec))
-    except ConnectionError as exc:
+    except (ConnectionError, ModelNotServed) as exc:
         print(f"loadtest: {exc}", file=sys.stderr)
-        return 1
-    paths = write_outputs(result, out_dir, name, plots=not args.no_plots)
+        return EXIT_NOT_RUN
+    except DataFileError as exc:
+        print(f"loadtest: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    paths = write_outputs(result, out_dir, name, plots=not args.no_plots, command=args.command,
+                          csv_path=Path(args.csv) if args.csv else None)
     print_summary(result, paths)
     if args.command == "soak" and result.server and result.server.get("rss_bytes_start") is not None:
         srv = result.server
@@ -460,7 +568,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  soak: RSS start {srv['rss_bytes_start'] / 2**20:.1f} MiB, end {srv['rss_bytes_end'] / 2**20:.1f} "
               f"MiB, peak {peak / 2**20:.1f} MiB, growth {srv['rss_growth_bytes'] / 2**20:+.1f} MiB over "
               f"{result.summary['requests']} requests")
-    return 0
+    return _verdict(result, args.fail_if)
+
+
+def _verdict(result: RunResult, checks: Sequence[thresholds.Threshold]) -> int:
+    """The exit code of a finished run: every request failed -> 4; a violated --fail-if -> 3; else 0. Both
+    are printed (the thresholds on stdout with the report, the failures also on stderr)."""
+    if result.skipped:
+        return EXIT_OK
+    s = result.summary
+    code = EXIT_OK
+    metrics = report.flat_metrics(s)
+    failed = thresholds.violations(checks, metrics)
+    for t in checks:
+        shown = metrics[t.metric]
+        print(f"  fail-if {t}: {'VIOLATED' if t.violated_by(metrics) else 'ok'} "
+              f"({t.metric} = {'n/a' if shown is None else f'{shown:g}'})")
+    for line in failed:
+        print(f"loadtest: threshold violated: {line}", file=sys.stderr)
+    if failed:
+        code = EXIT_THRESHOLD
+    if s["requests"] and not s["successes"]:
+        print(f"loadtest: every one of the {s['requests']} requests failed: {s['errors_by_code']}", file=sys.stderr)
+        code = EXIT_ALL_FAILED
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,11 +1,14 @@
-"""Turn :class:`~relserve.loadtest.generator.Records` into numbers (JSON) and PNG plots (matplotlib, Agg).
+"""Turn :class:`~relserve.loadtest.generator.Records` into numbers (JSON, CSV) and PNG plots (matplotlib, Agg).
 
 Latency percentiles are over successful requests (errors are counted by status code name, with their own
-latency percentiles); throughput is successes per second of run time (run start to last completion).
+latency percentiles); throughput is successes per second of run time (run start to last completion);
+``error_rate`` is errors / requests. :func:`flat_metrics` gives the same numbers under one flat set of names
+(:data:`METRICS`), which the CSV columns and ``--fail-if`` thresholds share.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from collections import Counter
@@ -16,11 +19,27 @@ import numpy as np
 
 from .generator import Records
 
-PERCENTILES = (("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p99.9", 99.9))
+PERCENTILES = (("p50", 50.0), ("p90", 90.0), ("p95", 95.0), ("p99", 99.0), ("p99.9", 99.9))
+
+# The flat metric names (CSV columns after the identifying ones; --fail-if operands), with what each means.
+METRICS: dict[str, str] = {
+    "requests": "requests recorded (successes + errors)",
+    "successes": "requests answered OK",
+    "errors": "requests that failed (any status but OK, or CLIENT_OVERLOAD)",
+    "error_rate": "errors / requests (0 when no requests)",
+    "duration_s": "seconds from the run start to the last answer",
+    "throughput_rps": "successes per second of duration_s",
+    "completed_rps": "requests (OK or not) per second of duration_s",
+    "mean_ms": "mean latency of successes, ms",
+    "min_ms": "lowest latency of successes, ms",
+    **{f"{k}_ms": f"{q:g}th percentile latency of successes, ms" for k, q in PERCENTILES},
+    "max_ms": "highest latency of successes, ms",
+}
 
 
 def latency_stats(latencies_s: Sequence[float]) -> dict[str, float | None]:
-    """mean/min/max and p50/p90/p99/p99.9 in milliseconds (None when there are no samples)."""
+    """mean/min/max and p50/p90/p95/p99/p99.9 in milliseconds (None when there are no samples); percentiles
+    by numpy's default linear interpolation."""
     keys = ["mean", "min", "max"] + [k for k, _ in PERCENTILES]
     if len(latencies_s) == 0:
         return {k: None for k in keys}
@@ -42,6 +61,7 @@ def summarize(records: Records) -> dict[str, Any]:
         "requests": len(records),
         "successes": successes,
         "errors": sum(errors.values()),
+        "error_rate": _rate(sum(errors.values()), len(records)),
         "errors_by_code": errors,
         "duration_s": elapsed,
         "throughput_rps": successes / elapsed if elapsed > 0 else 0.0,
@@ -53,14 +73,62 @@ def summarize(records: Records) -> dict[str, Any]:
     for kind in sorted(set(records.kinds)):
         idx = [i for i, k in enumerate(records.kinds) if k == kind]
         kc = Counter(records.codes[i] for i in idx)
+        k_errors = len(idx) - kc.get("OK", 0)
         out["by_kind"][kind] = {
             "requests": len(idx),
             "successes": kc.get("OK", 0),
+            "errors": k_errors,
+            "error_rate": _rate(k_errors, len(idx)),
             "errors_by_code": {c: n for c, n in sorted(kc.items()) if c != "OK"},
             "throughput_rps": kc.get("OK", 0) / elapsed if elapsed > 0 else 0.0,
+            "completed_rps": len(idx) / elapsed if elapsed > 0 else 0.0,
             "latency_ms": latency_stats([records.latencies[i] for i in idx if records.codes[i] == "OK"]),
         }
     return out
+
+
+def _rate(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
+
+
+def flat_metrics(summary: dict[str, Any], duration_s: float | None = None) -> dict[str, float | int | None]:
+    """The :data:`METRICS` of one summary (:func:`summarize`'s output, one of its ``by_kind`` entries, or a
+    sweep step), in that order; latency values are None when there were no successes.
+
+    ``duration_s`` fills in the run duration for the parts of a summary that do not carry it (``by_kind``).
+    """
+    lat = summary["latency_ms"]
+    requests = summary["requests"]
+    errors = summary.get("errors", requests - summary["successes"])
+    duration = summary.get("duration_s", duration_s)
+    out: dict[str, float | int | None] = {
+        "requests": requests,
+        "successes": summary["successes"],
+        "errors": errors,
+        "error_rate": summary.get("error_rate", _rate(errors, requests)),
+        "duration_s": duration,
+        "throughput_rps": summary["throughput_rps"],
+        "completed_rps": summary.get("completed_rps", requests / duration if duration else 0.0),
+    }
+    for key in ("mean", "min", *(k for k, _ in PERCENTILES), "max"):
+        out[f"{key}_ms"] = lat[key]
+    assert list(out) == list(METRICS)  # one list of names: CSV columns, --fail-if and this stay in step
+    return out
+
+
+CSV_ID_COLUMNS = ("command", "scenario", "kind", "model", "mode", "rate", "concurrency")
+CSV_COLUMNS = CSV_ID_COLUMNS + tuple(METRICS)
+
+
+def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> Path:
+    """One line per row under the header :data:`CSV_COLUMNS`; None is written as an empty field, floats as
+    Python's shortest round-trip repr (the same digits as the JSON)."""
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="raise")
+        w.writeheader()
+        for row in rows:
+            w.writerow({k: "" if row.get(k) is None else row[k] for k in CSV_COLUMNS})
+    return path
 
 
 def timeline(records: Records, bin_s: float = 1.0) -> dict[str, list[float]]:
@@ -108,7 +176,7 @@ def plot_latency(records: Records, path: Path, title: str) -> Path:
         xs = np.sort(lat)
         ax2.plot(xs, np.arange(1, xs.size + 1) / xs.size, color="#4878a8")
         ax2.set_xscale("log")
-        for (key, q), color in zip(PERCENTILES, ("#2a2", "#c80", "#c22", "#808")):
+        for (key, q), color in zip(PERCENTILES, ("#2a2", "#c80", "#e60", "#c22", "#808"), strict=True):
             v = float(np.percentile(lat, q))
             for ax in (ax1, ax2):
                 ax.axvline(v, color=color, linestyle="--", linewidth=1, label=f"{key} {v:.1f} ms")

@@ -1,9 +1,12 @@
 """Checkpoint directories of both model families: ``config.json``, safetensors weights, tokenizer files.
 
-DeBERTa-v2/v3 (Hugging Face layout; :func:`load_checkpoint`, :func:`save_checkpoint`). A directory holds
-``config.json`` (model_type ``deberta-v2``), weights in ``model.safetensors`` or ``pytorch_model.bin``, and
-tokenizer files. Weights load by name into our own modules
-(:mod:`relserve.models.deberta`), whose parameter names equal the HF keys. Key handling mirrors what
+DeBERTa v1/v2/v3 (Hugging Face layout; :func:`load_checkpoint`, :func:`save_checkpoint`). A directory holds
+``config.json`` (model_type ``deberta-v2``, or ``deberta`` for v1), weights in ``model.safetensors`` or
+``pytorch_model.bin``, and tokenizer files. What is served is exactly ``SUPPORTED_ARCHITECTURES`` per model_type
+(:func:`supported_summary`): ``DebertaV2ForSequenceClassification`` / ``DebertaV2ForQuestionAnswering`` and
+``DebertaForSequenceClassification`` / ``DebertaForQuestionAnswering``. Weights load by name into our own modules
+(:mod:`relserve.models.deberta`, v1 attention :mod:`relserve.models.deberta_v1`), whose parameter names equal
+the HF keys. Key handling mirrors what
 transformers itself accepts:
 
 * legacy ``LayerNorm.gamma`` / ``LayerNorm.beta`` names are renamed to ``weight`` / ``bias``;
@@ -50,6 +53,7 @@ import torch
 from torch import nn
 
 from .deberta import DebertaConfig, DebertaForQuestionAnswering, DebertaForSequenceClassification
+from .deberta_v1 import DebertaV1Config, DebertaV1ForQuestionAnswering, DebertaV1ForSequenceClassification
 from .rnnsearch import MODEL_TYPE as RNNSEARCH_MODEL_TYPE
 from .rnnsearch import RNNSearch, RNNSearchConfig, build_translation_model, encoder_kind
 from . import tokenization
@@ -67,24 +71,25 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "spm.model",
     "added_tokens.json",
+    "vocab.json",  # DeBERTa v1 byte-level BPE
+    "merges.txt",
 )
 
 TRANSLATION_ENCODER_TYPES = ("bigru", "deberta")
 
-_TASK_BY_SUFFIX = {
-    "ForSequenceClassification": "classification",
-    "ForQuestionAnswering": "question-answering",
+# config.json model_type -> (config class, {architecture: (task, model class)}); a missing model_type means v2
+_FAMILIES: dict[str, tuple[type[DebertaConfig], dict[str, tuple[str, type[nn.Module]]]]] = {
+    "deberta-v2": (DebertaConfig, {
+        "DebertaV2ForSequenceClassification": ("classification", DebertaForSequenceClassification),
+        "DebertaV2ForQuestionAnswering": ("question-answering", DebertaForQuestionAnswering),
+    }),
+    "deberta": (DebertaV1Config, {
+        "DebertaForSequenceClassification": ("classification", DebertaV1ForSequenceClassification),
+        "DebertaForQuestionAnswering": ("question-answering", DebertaV1ForQuestionAnswering),
+    }),
 }
-_MODEL_BY_TASK: dict[str, type[nn.Module]] = {
-    "classification": DebertaForSequenceClassification,
-    "question-answering": DebertaForQuestionAnswering,
-}
-SUPPORTED_ARCHITECTURES = (
-    "DebertaV2ForSequenceClassification",
-    "DebertaV2ForQuestionAnswering",
-    "DebertaForSequenceClassification",
-    "DebertaForQuestionAnswering",
-)
+SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
+SUPPORTED_ARCHITECTURES = tuple(a for _, archs in _FAMILIES.values() for a in archs)
 
 _IGNORED_KEY_PATTERNS = (
     re.compile(r"^(deberta\.)?embeddings\.position_ids$"),
@@ -163,17 +168,44 @@ class LoadedCheckpoint:
     path: str
 
 
-def task_for_architectures(architectures: list[str] | None, where: str = CONFIG_NAME) -> str:
-    """``architectures`` from config.json -> ``"classification"`` | ``"question-answering"``."""
-    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+def supported_summary() -> str:
+    """Every model_type with the architectures served for it, as refusal messages name them."""
+    return "; ".join(f"model_type {mt!r}: {', '.join(archs)}" for mt, (_, archs) in _FAMILIES.items())
+
+
+def _model_type(raw: dict, where: str) -> str:
+    model_type = raw.get("model_type") or "deberta-v2"
+    if model_type not in _FAMILIES:
+        raise CheckpointError(f"{where}: model_type {model_type!r} is not supported; supported: {supported_summary()}")
+    return model_type
+
+
+def _architecture(architectures: list[str] | None, model_type: str, where: str) -> str:
+    """The first of ``architectures`` served for ``model_type``; the refusal lists exactly what is."""
+    archs = _FAMILIES[model_type][1]
+    supported = ", ".join(archs)
     if not architectures:
-        raise CheckpointError(f"{where}: no 'architectures' entry; cannot tell the task (supported: {supported})")
+        raise CheckpointError(f"{where}: no 'architectures' entry; cannot tell the task (supported for model_type "
+                              f"{model_type!r}: {supported})")
     for arch in architectures:
-        if arch.startswith("Deberta"):
-            for suffix, task in _TASK_BY_SUFFIX.items():
-                if arch.endswith(suffix):
-                    return task
-    raise CheckpointError(f"{where}: unsupported architectures {architectures}; supported: {supported}")
+        if arch in archs:
+            return arch
+    raise CheckpointError(f"{where}: unsupported architectures {architectures} for model_type {model_type!r}; "
+                          f"supported: {supported_summary()}")
+
+
+def task_for_architectures(architectures: list[str] | None, where: str = CONFIG_NAME,
+                           model_type: str | None = "deberta-v2") -> str:
+    """``architectures`` from config.json -> ``"classification"`` | ``"question-answering"``.
+
+    ``model_type`` is config.json's (None: "deberta-v2"); only that family's architectures are accepted.
+
+    Raises:
+        CheckpointError: unknown model_type, no architectures, or none served (the message lists, per
+            model_type, exactly the architectures that are).
+    """
+    mt = _model_type({"model_type": model_type}, where)
+    return _FAMILIES[mt][1][_architecture(architectures, mt, where)][0]
 
 
 def _read_state_dict(path: str) -> tuple[dict[str, torch.Tensor], str]:
@@ -265,21 +297,21 @@ def load_checkpoint(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     load_tokenizer: bool = True,
+    spm_normalization: str = "spm",
 ) -> LoadedCheckpoint:
-    """Load an HF-style checkpoint directory into our model, in eval mode on ``device``/``dtype``."""
+    """Load an HF-style checkpoint directory into our model, in eval mode on ``device``/``dtype``.
+
+    ``spm_normalization``: passed to :func:`tokenization.load_tokenizer` (an ``spm.model``-only tokenizer:
+    ``"spm"`` applies the model's own normaliser, ``"transformers5"`` drops it as transformers 5 does).
+    """
     path = os.fspath(path)
     cfg_path, raw = read_checkpoint_config(path, CheckpointError)
-    model_type = raw.get("model_type")
-    if model_type == "deberta":
-        raise CheckpointError(
-            f"{cfg_path}: model_type 'deberta' (DeBERTa v1) is not supported; only 'deberta-v2' (v2/v3) checkpoints"
-        )
-    if model_type not in (None, "deberta-v2"):
-        raise CheckpointError(f"{cfg_path}: model_type {model_type!r} is not supported (expected 'deberta-v2')")
-    task = task_for_architectures(raw.get("architectures"), cfg_path)
+    model_type = _model_type(raw, cfg_path)
+    config_cls, archs = _FAMILIES[model_type]
+    task, model_cls = archs[_architecture(raw.get("architectures"), model_type, cfg_path)]
     try:
-        config = DebertaConfig.from_dict(raw)
-        model = _MODEL_BY_TASK[task](config)
+        config = config_cls.from_dict(raw)
+        model = model_cls(config)
     except ValueError as e:
         raise CheckpointError(f"{cfg_path}: {e}") from e
     sd, source = _read_state_dict(path)
@@ -287,7 +319,7 @@ def load_checkpoint(
     model = model.to(device=device, dtype=dtype).eval()
     tokenizer = None
     if load_tokenizer:
-        tokenizer = tokenization.load_tokenizer(path)
+        tokenizer = tokenization.load_tokenizer(path, spm_normalization=spm_normalization)
         if tokenizer.vocab_size > config.vocab_size:
             # ids past the embedding table would fail whole batches at run time, other clients' requests too
             raise CheckpointError(

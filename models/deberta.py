@@ -93,7 +93,12 @@ def normalise_pos_att_type(value: Any) -> list[str]:
 
 @dataclass
 class DebertaConfig:
-    """Hyper-parameters of a DeBERTa-v2/v3 encoder and its task head (HF ``deberta-v2`` field names)."""
+    """Hyper-parameters of a DeBERTa-v2/v3 encoder and its task head (HF ``deberta-v2`` field names).
+
+    :class:`relserve.models.deberta_v1.DebertaV1Config` (HF ``deberta``) subclasses it and swaps the attention.
+    """
+
+    model_type = MODEL_TYPE  # class attribute, not a field: what config.json's ``model_type`` says
 
     vocab_size: int = 128100
     hidden_size: int = 1536
@@ -203,6 +208,10 @@ class DebertaConfig:
     def norm_rel_ebd_terms(self) -> list[str]:
         return [x.strip() for x in (self.norm_rel_ebd or "none").lower().split("|")]
 
+    def make_self_attention(self) -> nn.Module:
+        """The per-layer self-attention module of this variant (v2/v3: :class:`DisentangledSelfAttention`)."""
+        return DisentangledSelfAttention(self)
+
     # -- I/O ---------------------------------------------------------------------------------------------------
 
     @classmethod
@@ -245,7 +254,7 @@ class DebertaConfig:
                 del d[k]
         for k, v in self.extra.items():
             d.setdefault(k, v)
-        d["model_type"] = MODEL_TYPE
+        d["model_type"] = self.model_type
         return d
 
 
@@ -450,7 +459,7 @@ class DebertaSelfOutput(nn.Module):
 class DebertaAttention(nn.Module):
     def __init__(self, config: DebertaConfig):
         super().__init__()
-        self.self = DisentangledSelfAttention(config)
+        self.self = config.make_self_attention()
         self.output = DebertaSelfOutput(config)
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor, rel: RelativeContext | None) -> torch.Tensor:

@@ -13,7 +13,18 @@ Span search (per window, over the start/end logits of that window):
   the best ``n_best`` pairs per window are kept;
 * a span's characters are ``context[offsets[start][0]:offsets[end][1]]`` with leading/trailing whitespace
   and zero-width characters trimmed (C07); a span that becomes empty is dropped; identical character
-  spans found in several windows are merged, keeping the best score.
+  spans found in several windows are merged, keeping the best score;
+* with ``align_to_words`` (the server's default, as transformers' question-answering pipeline) the span is
+  then widened to whole words (:func:`token_word_span`): from the first character of the start token's word
+  to the last of the end token's word, then trimmed again, so an answer never ends mid-word ("of Ger" ->
+  "of Germany." with Metaspace words). Words are the tokenizer's own (``QAWindow.context_words``, the
+  pre-tokenizer's splits: the pipeline's ``enc.word_to_chars(enc.token_to_word(t))``), so where the
+  tokenizer splits off punctuation (GPT-2 byte-level BPE, ``split_by_punct``) "Berlin," widens to
+  "Berlin" only; a window without word ids (a backend that does not report them) falls back to
+  whitespace-delimited words (:func:`word_span`). Spans that widen to the same words are merged, keeping
+  the best score (the pipeline would list them twice). A context without spaces (Chinese, Japanese) is
+  one word (Metaspace; one letter run for byte-level BPE): there the pipeline's convention returns the
+  whole run, and ``align_to_words=False`` is the useful setting.
 
 No answer (SQuAD 2.0, Rajpurkar et al. 2018; the reference script's null score): the null score of a
 window is ``start_logit[CLS] + end_logit[CLS]`` (CLS = token 0); the request's null score is the minimum
@@ -65,6 +76,57 @@ class SpanSearch:
     null_score: float
 
 
+def _is_word_break(context: str, i: int) -> bool:
+    """Is ``context[i]`` a word boundary for a Metaspace tokenizer without punctuation splitting (the fallback
+    of :func:`word_span`)? DeBERTa v2/v3's normalizer turns a space, tab or
+    line break, and any run of two or more whitespace characters, into one space, where the Metaspace
+    pre-tokenizer splits words (``word_ids``); a lone other whitespace character (e.g. U+00A0) stays inside
+    its word, as do zero-width characters."""
+    ch = context[i]
+    if ch in " \t\n\r":
+        return True
+    if not ch.isspace():
+        return False
+    return (i > 0 and context[i - 1].isspace()) or (i + 1 < len(context) and context[i + 1].isspace())
+
+
+def word_span(context: str, start: int, end: int) -> tuple[int, int]:
+    """Widen a non-empty ``[start, end)`` to whole words: left to the start of the word holding ``start``,
+    right to the end of the word holding ``end - 1``, then trimmed (:func:`trim_span`, C07).
+
+    The fallback of :func:`token_word_span` for windows without word ids: words as a Metaspace pre-tokenizer
+    without punctuation splitting cuts them (:func:`_is_word_break`). Cost: the length of the two words.
+    """
+    while start > 0 and not _is_word_break(context, start - 1):
+        start -= 1
+    while end < len(context) and not _is_word_break(context, end):
+        end += 1
+    return trim_span(context, start, end)
+
+
+def token_word_span(window: QAWindow, context: str, i: int, j: int) -> tuple[int, int] | None:
+    """``[start, end)`` of the words of tokens ``i`` (start) and ``j`` (end) of ``window``, trimmed (C07); None
+    when the window carries no word ids (``context_words``).
+
+    transformers' question-answering pipeline's ``align_to_words``: ``enc.word_to_chars(enc.token_to_word(i),
+    sequence_index=1)[0]`` to ``...(j)[1]``, where ``word_to_chars`` spans the word's tokens in this window's
+    encoding (first token's start to last token's end). A context token without a word id is a word of its own.
+    Cost: the two words' lengths in tokens.
+    """
+    words = getattr(window, "context_words", None)
+    if words is None:
+        return None
+    offs = window.context_offsets
+    a, b = i, j
+    if words[i] is not None:
+        while a > 0 and words[a - 1] == words[i] and offs[a - 1] is not None:
+            a -= 1
+    if words[j] is not None:
+        while b + 1 < len(words) and words[b + 1] == words[j] and offs[b + 1] is not None:
+            b += 1
+    return trim_span(context, offs[a][0], offs[b][1])  # type: ignore[index]
+
+
 def trim_span(context: str, start: int, end: int) -> tuple[int, int]:
     """Shrink ``[start, end)`` past leading/trailing whitespace and zero-width characters (C07)."""
     while start < end and is_blank_char(context[start]):
@@ -81,10 +143,12 @@ def window_candidates(
     context: str,
     max_answer_len: int,
     n_best: int,
+    align_to_words: bool = False,
 ) -> list[tuple[float, int, int]]:
     """Best ``(score, char_start, char_end)`` spans of one window, at most ``n_best`` distinct ones.
 
-    ``start`` / ``end``: Float[T] logits of the window's T tokens.
+    ``start`` / ``end``: Float[T] logits of the window's T tokens; ``align_to_words``: spans widened to
+    whole words (:func:`token_word_span`, else :func:`word_span`) before they are told apart.
     """
     t = len(window.input_ids)
     offs = window.context_offsets
@@ -120,6 +184,8 @@ def window_candidates(
         k, j = divmod(int(f), t)
         i = j - k
         cs, ce = trimmed[i][0], trimmed[j][1]  # type: ignore[index]
+        if align_to_words:
+            cs, ce = token_word_span(window, context, i, j) or word_span(context, cs, ce)
         if (cs, ce) in seen:
             continue
         seen.add((cs, ce))
@@ -136,8 +202,10 @@ def search_spans(
     context: str,
     max_answer_len: int = 30,
     n_best: int = 20,
+    align_to_words: bool = False,
 ) -> SpanSearch:
-    """Merged candidate spans of all windows and the null score (see the module doc), unnormalised.
+    """Merged candidate spans of all windows and the null score (see the module doc), unnormalised;
+    ``align_to_words`` as :func:`window_candidates`.
 
     ``start_logits[w]`` / ``end_logits[w]`` have one value per token of ``windows[w]`` (longer arrays
     are cut to the window length).
@@ -163,7 +231,7 @@ def search_spans(
         if not (np.all(np.isfinite(s)) and np.all(np.isfinite(e))):
             raise ValueError("the model returned non-finite QA logits")
         null_score = min(null_score, float(s[0] + e[0]))
-        for score, cs, ce in window_candidates(w, s, e, context, max_answer_len, n_best):
+        for score, cs, ce in window_candidates(w, s, e, context, max_answer_len, n_best, align_to_words):
             if score > spans.get((cs, ce), -math.inf):
                 spans[(cs, ce)] = score
     ranked = sorted(spans.items(), key=lambda kv: (-kv[1], kv[0]))
@@ -180,8 +248,11 @@ def best_answers(
     allow_impossible: bool = False,
     null_threshold: float = 0.0,
     n_best: int = 20,
+    align_to_words: bool = False,
 ) -> list[AnswerSpan]:
-    """The ``top_k`` best answers for one (question, context) from its windows' logits (see module doc).
+    """The ``top_k`` best answers for one (question, context) from its windows' logits (see module doc);
+    ``align_to_words``: whole-word spans (:func:`token_word_span`; the server passes the model's or request's
+    setting, default on; direct callers such as the QA trainer's evaluation get token-exact spans).
 
     When no context token can form a span the no-answer result is returned.
 
@@ -194,7 +265,7 @@ def best_answers(
         raise ValueError(f"max_answer_len={max_answer_len} must be >= 1 token")
     if math.isnan(null_threshold):
         raise ValueError("null_threshold must be a number, got NaN")
-    found = search_spans(windows, start_logits, end_logits, context, max_answer_len, n_best)
+    found = search_spans(windows, start_logits, end_logits, context, max_answer_len, n_best, align_to_words)
     ranked, null_score = found.spans, found.null_score
     raw = [sc for sc, _, _ in ranked]
     if allow_impossible or not ranked:

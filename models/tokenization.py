@@ -5,14 +5,27 @@
 * ``tokenizer.json`` (Hugging Face ``tokenizers`` library): the file's normaliser, pre-tokenizer and
   Unigram model are used as they are; [CLS]/[SEP] ids come from its TemplateProcessing post-processor
   (falling back to the vocabulary).
-* ``spm.model`` + ``tokenizer_config.json`` (Google ``sentencepiece`` library): the pieces come from the
-  sentencepiece Unigram model; the text pipeline in front of it reproduces what transformers 5
-  ``DebertaV2Tokenizer`` builds for such a directory (``tokenization_deberta_v2.py``): optional lower-casing
-  (``do_lower_case``), ``Replace(r"\\s{2,}|[\\n\\r\\t]", " ")``, NFC, strip right, Metaspace ``▁`` with a
-  prefix ``▁`` unless the text already starts with a space. The model's own normaliser spec is switched
-  to ``identity`` so the pipeline above is the only normalisation, and character offsets are computed
-  here: sentencepiece (``return_type="proto"``; 0.2.3 removed "immutable_proto") reports UTF-8 byte offsets into the normalised text, which are mapped back to
-  Python ``str`` indices of the caller's original text.
+* ``spm.model`` + ``tokenizer_config.json`` (Google ``sentencepiece`` library; the hub layout of deberta-v3 and
+  mdeberta), in one of two ways (``load_tokenizer(spm_normalization=...)``, the per-model config key of that
+  name; logged at load):
+
+  - ``"spm"`` (default): the model's own normaliser (``nmt_nfkc`` for those models: NFKC, whitespace runs
+    collapsed, zero-width and control characters dropped) runs inside sentencepiece, as sentencepiece's
+    ``encode`` and transformers 4's sentencepiece-backed ``DebertaV2Tokenizer`` (what most hub fine-tunes were
+    trained with) apply it; ``do_lower_case`` lower-cases first and ``split_by_punct`` encodes the pieces between
+    punctuation characters one by one, as transformers 4 did (:class:`_SpmNativeBackend`). sentencepiece reports
+    each piece's span in the original text, so offsets stay exact where normalisation changes lengths.
+  - ``"transformers5"``: the text pipeline transformers 5 ``DebertaV2Tokenizer`` builds for such a directory
+    (``tokenization_deberta_v2.py``): optional lower-casing (``do_lower_case``), ``Replace(r"\\s{2,}|[\\n\\r\\t]",
+    " ")``, NFC, strip right, ``Punctuation`` isolated with ``split_by_punct``, Metaspace ``▁`` with a prefix
+    ``▁`` unless the text (segment) already starts with a space. The model's own normaliser spec is switched
+    to ``identity`` so the pipeline above is the only normalisation, and character offsets are computed
+    here: sentencepiece (``return_type="proto"``; 0.2.3 removed "immutable_proto") reports UTF-8 byte offsets
+    into the normalised text, which are mapped back to Python ``str`` indices of the caller's original text.
+
+DeBERTa v1 checkpoints carry a GPT-2 byte-level BPE instead: its ``tokenizer.json`` goes through the first path,
+``vocab.json`` + ``merges.txt`` (no tokenizer.json) are built into the same ``tokenizers`` pipeline as
+transformers 5 ``DebertaTokenizer`` builds; offsets are the library's, exact into the original text.
 
 Translation checkpoints carry two plain SentencePiece models instead (``source.spm``, ``target.spm``,
 special ids ``pad=0 bos=1 eos=2 unk=3``): :class:`TranslationTokenizer` encodes a source as its pieces
@@ -30,6 +43,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import os
 import re
@@ -39,6 +53,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 Offset = tuple[int, int]
+# (ids, offsets, word index per token or None when the backend knows no words): _Backend.tokenize_words_batch
+WordTokens = tuple[list[int], list[Offset], list[int | None] | None]
 
 SOURCE_SPM = "source.spm"
 TARGET_SPM = "target.spm"
@@ -111,12 +127,18 @@ class QAWindow:
 
     ``context_offsets[i]`` is the (start, end) character span in the context of token i, or None for
     question and special tokens. ``question_truncated`` says the question was cut to fit.
+
+    ``context_words[i]``: the index of the tokenizer's word (its pre-tokenizer's split of the context, what
+    transformers' ``enc.word_ids()`` gives; see :meth:`_Backend.tokenize_words_batch`) that context token i
+    belongs to, None for question and special tokens; the same word has the same index in every window. The
+    whole field is None when the backend does not say where its words are.
     """
 
     input_ids: list[int]
     token_type_ids: list[int]
     context_offsets: list[Offset | None]
     question_truncated: bool = False
+    context_words: list[int | None] | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -294,8 +316,8 @@ class Tokenizer:
             (count,) = self.leading_tokens([context], [need])
             if qa_window_count(len(count.ids), room, step) > max_windows:
                 raise TooManyWindows(len(count.ids), count.complete, max_windows, room, step)
-        (lead_c,) = self.leading_tokens([context], [need], offsets=True)
-        c_ids, c_offs = lead_c.ids, lead_c.offsets
+        (lead_c,) = leading_tokens(self.backend, [context], [need], offsets=True, words=True)
+        c_ids, c_offs, c_words = lead_c.ids, lead_c.offsets, lead_c.words
         if max_windows is not None and qa_window_count(len(c_ids), room, step) > max_windows:
             raise TooManyWindows(len(c_ids), lead_c.complete, max_windows, room, step)
         head = [self.cls_token_id, *q, self.sep_token_id]
@@ -306,7 +328,8 @@ class Tokenizer:
             ids = head + c_ids[start:end] + [self.sep_token_id]
             types = [0] * len(head) + [1] * (end - start + 1)
             offsets: list[Offset | None] = [None] * len(head) + list(c_offs[start:end]) + [None]
-            windows.append(QAWindow(ids, types, offsets, question_truncated))
+            words = None if c_words is None else [None] * len(head) + list(c_words[start:end]) + [None]
+            windows.append(QAWindow(ids, types, offsets, question_truncated, words))
             if end >= len(c_ids):
                 break
             start += step
@@ -404,6 +427,7 @@ class Leading:
     offsets: list[Offset]
     complete: bool
     chars: int  # characters of the text that were tokenized (the prefix length)
+    words: list[int | None] | None = None  # word index per token (leading_tokens(words=True)), None: unknown
 
 
 _SCAN_CHUNK = 1 << 16  # characters per regex call in safe_cut: other threads get the GIL between calls
@@ -437,7 +461,7 @@ def safe_cut(text: str, limit: int, pattern: re.Pattern | None) -> int:
 
 
 def leading_tokens(backend: "_Backend", texts: Sequence[str], need: Sequence[float],
-                   offsets: bool = False) -> list[Leading]:
+                   offsets: bool = False, words: bool = False) -> list[Leading]:
     """Tokenize just enough of each text to have ``need[i]`` tokens of it (``math.inf``: the whole text).
 
     Each round tokenizes, in one backend call, a prefix of every text still short of tokens, cut at
@@ -446,6 +470,10 @@ def leading_tokens(backend: "_Backend", texts: Sequence[str], need: Sequence[flo
     predict), so a text costs at most about twice its final prefix. A text stops at the first prefix with
     ``need`` tokens, or when the prefix is the whole text. The tokens of such a prefix are exactly the first
     tokens of the whole text (the cut pattern's guarantee; see :meth:`Tokenizer.batch_encode`).
+
+    ``words``: offsets and each token's word index too (:meth:`_Backend.tokenize_words_batch`; a backend
+    without that method gives ``Leading.words`` None). The cut is at whitespace, where every pre-tokenizer
+    that allows cuts splits words, so the prefix's words are the text's first words.
     """
     limits = [len(t) if n == math.inf else min(len(t), max(MIN_PREFIX_CHARS, int(n) * INITIAL_CHARS_PER_TOKEN))
               for t, n in zip(texts, need)]
@@ -453,12 +481,17 @@ def leading_tokens(backend: "_Backend", texts: Sequence[str], need: Sequence[flo
     pending = list(range(len(texts)))
     while pending:
         cuts = [safe_cut(texts[i], limits[i], backend.cut_pattern) for i in pending]
-        toks = backend.tokenize_batch([texts[i][:k] for i, k in zip(pending, cuts)], offsets)
+        prefixes = [texts[i][:k] for i, k in zip(pending, cuts)]
+        with_words = getattr(backend, "tokenize_words_batch", None) if words else None
+        if with_words is not None:
+            toks = with_words(prefixes)
+        else:
+            toks = [(ids, offs, None) for ids, offs in backend.tokenize_batch(prefixes, offsets or words)]
         still = []
-        for i, k, (ids, offs) in zip(pending, cuts, toks):
+        for i, k, (ids, offs, word_ids) in zip(pending, cuts, toks):
             complete = k >= len(texts[i])
             if complete or len(ids) >= need[i]:
-                results[i] = Leading(ids, offs, complete, k)
+                results[i] = Leading(ids, offs, complete, k, word_ids)
                 continue
             predicted = int(k * need[i] / max(1, len(ids)) * 1.25) if need[i] != math.inf else len(texts[i])
             limits[i] = max(2 * limits[i], k + 1, predicted)
@@ -540,6 +573,13 @@ class _Backend:
     def tokenize_batch(self, texts: Sequence[str], offsets: bool) -> list[tuple[list[int], list[Offset]]]:
         raise NotImplementedError
 
+    def tokenize_words_batch(self, texts: Sequence[str]) -> list[WordTokens]:
+        """Per text ``(ids, offsets, word ids)``: ``tokenize_batch(texts, True)`` plus the index of the word
+        each token belongs to, words as the tokenizer's pre-tokenizer splits the text (transformers' fast
+        tokenizers' ``enc.word_ids()``, which its question-answering pipeline's ``align_to_words`` maps
+        through ``token_to_word`` / ``word_to_chars``). This default knows no words (None)."""
+        return [(ids, offs, None) for ids, offs in self.tokenize_batch(texts, True)]
+
 
 class _TokenizersBackend(_Backend):
     """``tokenizer.json`` through the ``tokenizers`` library (offsets are char offsets of the input).
@@ -551,22 +591,31 @@ class _TokenizersBackend(_Backend):
     returned: bounded by the prefix, or for a text with no safe cut by the request's character limit.
     """
 
-    def __init__(self, path: str, spec: dict | None = None):
+    def __init__(self, path: str, spec: dict | None = None, tok=None):
         from tokenizers import Tokenizer as HFTokenizer
 
-        self.tok = HFTokenizer.from_file(path)
+        self.tok = HFTokenizer.from_file(path) if tok is None else tok  # tok: already built (vocab.json + merges)
         self.tok.no_truncation()
         self.tok.no_padding()
         self.cut_pattern = _cut_pattern_for(spec if spec is not None else _read_json(path))
 
     def tokenize_batch(self, texts: Sequence[str], offsets: bool) -> list[tuple[list[int], list[Offset]]]:
+        return [(ids, offs) for ids, offs, _ in self._encode(texts, offsets, False)]
+
+    def tokenize_words_batch(self, texts: Sequence[str]) -> list[WordTokens]:
+        """The library's own word ids (``Encoding.word_ids``: one per pre-tokenizer split, so a ByteLevel or
+        ``Punctuation`` pre-tokenizer makes "Berlin," two words), exactly what transformers' fast tokenizer on
+        the same pipeline reports."""
+        return self._encode(texts, True, True)
+
+    def _encode(self, texts: Sequence[str], offsets: bool, words: bool):
         # ids only: encode_batch_fast skips offset tracking (3x faster on long texts, and its result is freed
         # at once instead of holding the GIL for ~15 ms per 700k tokens while the offsets and strings are freed)
         encode = self.tok.encode_batch if offsets else getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
         out = []
         for text, enc in zip(texts, encode(list(texts), add_special_tokens=False)):
             if not offsets:
-                out.append((enc.ids, []))
+                out.append((enc.ids, [], None))
                 continue
             offs = [tuple(o) for o in enc.offsets]
             # A lone Metaspace "▁" that stands for the prepended dummy space is reported over the first
@@ -574,14 +623,20 @@ class _TokenizersBackend(_Backend):
             for i, (tok, (s, e)) in enumerate(zip(enc.tokens, offs)):
                 if tok == "▁" and e > s and not text[s:e].isspace():
                     offs[i] = (s, s)
-            out.append((enc.ids, offs))
+            out.append((enc.ids, offs, list(enc.word_ids) if words else None))
         return out
 
 
 class _SentencePieceBackend(_Backend):
-    """``spm.model`` through the ``sentencepiece`` library, normalised like transformers 5 DebertaV2."""
+    """``spm.model`` through the ``sentencepiece`` library, normalised like transformers 5 DebertaV2
+    (``spm_normalization: transformers5``).
 
-    def __init__(self, path: str, do_lower_case: bool):
+    ``split_by_punct``: transformers 5's ``Punctuation(behavior="isolated")`` pre-tokenizer in front of
+    Metaspace: every punctuation character (:func:`_is_punct`) of the normalised text is a segment of its own,
+    and each segment gets its own prefix ``▁`` unless it starts with a space.
+    """
+
+    def __init__(self, path: str, do_lower_case: bool, split_by_punct: bool = False):
         import sentencepiece as spm
         from sentencepiece import sentencepiece_model_pb2 as pb
 
@@ -589,6 +644,7 @@ class _SentencePieceBackend(_Backend):
         with open(path, "rb") as f:
             proto.ParseFromString(f.read())
         self.proto = proto
+        self.model_normalizer = proto.normalizer_spec.name  # what the file declares (logged at load)
         # our own normalisation (below) replaces the model's normaliser, as transformers 5 does
         ns = proto.normalizer_spec
         ns.name = "identity"
@@ -599,15 +655,39 @@ class _SentencePieceBackend(_Backend):
         proto.denormalizer_spec.Clear()
         self.sp = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
         self.do_lower_case = do_lower_case
+        self.split_by_punct = split_by_punct
         self.cut_pattern = WORD_CUT if _spm_splits_words(proto) else None
 
     def tokenize_batch(self, texts: Sequence[str], offsets: bool) -> list[tuple[list[int], list[Offset]]]:
+        return [self._tokenize(t)[:2] for t in texts]
+
+    def tokenize_words_batch(self, texts: Sequence[str]) -> list[WordTokens]:
+        """Word ids as transformers 5's fast ``DebertaV2Tokenizer`` gives them: one word per ``Punctuation`` split
+        (with ``split_by_punct``) and per Metaspace split inside it (at each space of the normalised text,
+        the space going with the word after it), so "Berlin," is two words with ``split_by_punct``, one
+        without."""
         return [self._tokenize(t) for t in texts]
 
-    def _tokenize(self, text: str) -> tuple[list[int], list[Offset]]:
+    def _tokenize(self, text: str) -> tuple[list[int], list[Offset], list[int | None]]:
         norm, spans = _deberta_v2_normalize(text, self.do_lower_case)
+        segments = _punct_segments(norm) if self.split_by_punct else [(0, len(norm))]
+        ids: list[int] = []
+        offsets: list[Offset] = []
+        words: list[int | None] = []
+        word = -1
+        for a, b in segments:
+            seg_ids, seg_offs, seg_starts = self._tokenize_segment(norm[a:b], spans[a:b])
+            ids += seg_ids
+            offsets += seg_offs
+            for k, starts in enumerate(seg_starts):
+                word += starts or k == 0  # a segment always starts a word
+                words.append(word)
+        return ids, offsets, words
+
+    def _tokenize_segment(self, norm: str, spans: list[Offset]) -> tuple[list[int], list[Offset], list[bool]]:
+        """Ids, offsets and, per piece, whether it starts a Metaspace word (begins at a space of ``norm``)."""
         if not norm:
-            return [], []
+            return [], [], []
         if norm[0] != " ":  # Metaspace prepend_scheme="always": a zero-width prefix space at the first char
             s0 = spans[0][0]
             norm, spans = " " + norm, [(s0, s0), *spans]
@@ -617,19 +697,20 @@ class _SentencePieceBackend(_Backend):
         for i, ch in enumerate(norm):
             byte_to_char.extend([i] * len(ch.encode("utf-8")))
         byte_to_char.append(len(norm))
-        ids, offsets = [], []
+        ids, offsets, starts = [], [], []
         for p in pieces:
             b, e = p.begin, p.end
             if e <= b:
                 continue
             c0, c1 = byte_to_char[b], byte_to_char[e - 1]
             ids.append(p.id)
+            starts.append(norm[c0] == " ")
             start = spans[c0][0]
             # a piece that starts with the (zero-width) prefix space starts at the next real char
             if c0 == 0 and spans[0][0] == spans[0][1] and c1 > 0:
                 start = spans[1][0]
             offsets.append((start, spans[c1][1]))
-        return ids, offsets
+        return ids, offsets, starts
 
 
 def _deberta_v2_normalize(text: str, lower: bool) -> tuple[str, list[Offset]]:
@@ -696,6 +777,132 @@ def _nfc_aligned(chars: list[str], spans: list[Offset]) -> tuple[list[str], list
     return out_c, out_s
 
 
+def _is_punct(ch: str) -> bool:
+    """Punctuation as both DeBERTa-v2 tokenizers define it for ``split_by_punct``: ASCII ``!``-``/``,
+    ``:``-``@``, ``[``-`````, ``{``-``~``, or a Unicode ``P*`` category (transformers 4 ``_is_punctuation``,
+    and the ``tokenizers`` ``Punctuation`` pre-tokenizer transformers 5 uses)."""
+    cp = ord(ch)
+    if 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126:
+        return True
+    return unicodedata.category(ch).startswith("P")
+
+
+def _punct_segments(text: str) -> list[tuple[int, int]]:
+    """``(start, end)`` of the pieces of ``text`` cut around every punctuation character, each punctuation
+    character a piece of its own, no empty pieces (transformers 4 ``_run_split_on_punc``, ``Punctuation``
+    ``isolated``)."""
+    out: list[tuple[int, int]] = []
+    start = 0
+    for i, ch in enumerate(text):
+        if _is_punct(ch):
+            if start < i:
+                out.append((start, i))
+            out.append((i, i + 1))
+            start = i + 1
+    if start < len(text):
+        out.append((start, len(text)))
+    return out
+
+
+class _SpmNativeBackend(_Backend):
+    """``spm.model`` with its own normaliser (``spm_normalization: spm``, the default): what sentencepiece's
+    ``encode`` and transformers 4's (slow, sentencepiece-backed) ``DebertaV2Tokenizer`` give.
+
+    transformers 4 ``DebertaV2Tokenizer._tokenize``: ``text.lower()`` when ``do_lower_case``; with
+    ``split_by_punct`` the text is cut around every punctuation character (:func:`_punct_segments`, on the
+    original, not the normalised, text) and each piece is encoded on its own (so each gets the model's dummy
+    prefix); then ``spm.encode``. The model's normaliser (``nmt_nfkc`` for DeBERTa-v3 / mDeBERTa: NFKC,
+    whitespace runs collapsed, control and zero-width characters removed, dummy prefix) runs inside
+    sentencepiece, which reports each piece's span in its input (``return_type="offset_mapping"``: code point
+    offsets), so offsets point into the caller's text even where normalisation changes lengths (a ligature
+    that becomes two letters, a full-width letter, a removed ZWSP). A piece that stands for no input character
+    (the dummy prefix ``▁``, the second letter of an expanded ligature) gets a zero-width offset.
+    """
+
+    def __init__(self, path: str, do_lower_case: bool, split_by_punct: bool = False):
+        import sentencepiece as spm
+        from sentencepiece import sentencepiece_model_pb2 as pb
+
+        with open(path, "rb") as f:
+            data = f.read()
+        proto = pb.ModelProto()
+        proto.ParseFromString(data)
+        self.proto = proto
+        self.model_normalizer = proto.normalizer_spec.name
+        self.sp = spm.SentencePieceProcessor(model_proto=data)
+        self.do_lower_case = do_lower_case
+        self.split_by_punct = split_by_punct
+        # Cut only before a plain space after a non-space character: the model's normaliser maps characters
+        # (and multi-character compositions, which a space never joins) one by one and collapses whitespace
+        # runs, so text[:k] normalises to a prefix of the text's normal form ending at a word boundary; the
+        # pieces of such a model never span one (tests: every cut's tokens are the whole text's first tokens).
+        self.cut_pattern = SPACE_CUT if _spm_splits_words(proto) else None
+        # ids of the pieces that begin with the word-boundary mark "▁" (a new whitespace word starts there)
+        self._word_start_ids = frozenset(i for i, p in enumerate(proto.pieces) if p.piece.startswith("\u2581"))
+
+    def tokenize_batch(self, texts: Sequence[str], offsets: bool) -> list[tuple[list[int], list[Offset]]]:
+        return [(ids, offs) for ids, offs, _ in self._encode(texts, offsets, False)]
+
+    def tokenize_words_batch(self, texts: Sequence[str]) -> list[WordTokens]:
+        """Word ids as the fast tokenizer transformers converts such a model into (``DebertaV2Converter``:
+        ``Punctuation`` isolated with ``split_by_punct``, then Metaspace) gives them, on this backend's pieces:
+        a word starts at each piece the model begins with "▁" (after a whitespace run in the normalised text)
+        and at each punctuation segment, so with ``split_by_punct`` "Berlin," is two words, without it one.
+        (transformers 4's slow tokenizer has no word ids; its pipeline's fast default is that converter.)"""
+        return self._encode(texts, True, True)
+
+    def _encode(self, texts: Sequence[str], offsets: bool, words: bool):
+        lowered = [self._lower(t) for t in texts] if self.do_lower_case else [(t, None) for t in texts]
+        # one batched sentencepiece call over every text's segments
+        segs: list[list[tuple[int, int]]] = []
+        inputs: list[str] = []
+        for t, _ in lowered:
+            cut = _punct_segments(t) if self.split_by_punct else ([(0, len(t))] if t else [])
+            segs.append(cut)
+            inputs.extend(t[a:b] for a, b in cut)
+        if offsets:
+            encoded = self.sp.encode(inputs, return_type="offset_mapping") if inputs else []
+        else:
+            encoded = self.sp.encode(inputs, out_type=int) if inputs else []
+        out = []
+        k = 0
+        starts = self._word_start_ids
+        for (t, pos), cut in zip(lowered, segs):
+            ids: list[int] = []
+            offs: list[Offset] = []
+            word_ids: list[int | None] = []
+            word = -1
+            for a, _ in cut:
+                enc = encoded[k]
+                k += 1
+                if not offsets:
+                    ids += enc
+                    continue
+                if words:
+                    for n, i in enumerate(enc["ids"]):
+                        word += n == 0 or i in starts  # each segment starts a word
+                        word_ids.append(word)
+                ids += enc["ids"]
+                for s, e in enc["offsets"]:
+                    s, e = a + s, a + e
+                    if pos is not None:  # lower-casing changed lengths: back to the caller's characters
+                        s, e = (pos[s], pos[s]) if e <= s else (pos[s], pos[e - 1] + 1)
+                    offs.append((s, e))
+            out.append((ids, offs, word_ids if words else None))
+        return out
+
+    @staticmethod
+    def _lower(text: str) -> tuple[str, list[int] | None]:
+        """``text.lower()`` (as transformers 4) and, when that changes the length (``İ`` -> ``i̇``), the index
+        in ``text`` of each lowered character's source (plus ``len(text)`` at the end); else None."""
+        low = text.lower()
+        if len(low) == len(text):
+            return low, None
+        pos = [i for i, ch in enumerate(text) for _ in ch.lower()]
+        pos.append(len(text))
+        return low, pos
+
+
 # ---- loading -------------------------------------------------------------------------------------
 
 
@@ -722,13 +929,64 @@ def _max_length(cfg: dict) -> int | None:
     return None if v >= _MAX_LENGTH_PLACEHOLDER or v <= 0 else v
 
 
-def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
-    """Load ``tokenizer.json`` (preferred) or ``spm.model`` from a checkpoint/tokenizer directory.
+SPM_NORMALIZATIONS = ("spm", "transformers5")  # load_tokenizer(spm_normalization=...), the model key of that name
+
+
+def _log_spm_normalization(path: str, mode: str, normalizer: str, lower: bool, punct: bool) -> None:
+    """One INFO line at load: which normalisation an ``spm.model`` tokenizer applies, and why."""
+    name = normalizer or "(unnamed)"
+    if mode == "spm":
+        what = (f"the model's own normaliser {name!r}, as sentencepiece and transformers 4 apply it "
+                f"(spm_normalization: spm, the default)")
+    else:
+        what = (f"transformers 5's pipeline (whitespace runs -> ' ', NFC, strip right) instead of the model's own "
+                f"normaliser {name!r}, because spm_normalization is transformers5")
+    logging.getLogger(__name__).info("%s: tokenizing with %s; do_lower_case=%s split_by_punct=%s",
+                                     path, what, lower, punct)
+
+
+BPE_VOCAB, BPE_MERGES = "vocab.json", "merges.txt"
+
+
+def _byte_level_bpe_backend(vocab_path: str, merges_path: str, cfg: dict,
+                            specials: Sequence[str]) -> tuple["_TokenizersBackend", dict]:
+    """DeBERTa v1's GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt``, built as transformers 5
+    ``DebertaTokenizer`` builds it (``tokenization_deberta.py``): BPE without subword prefix or unknown token,
+    no normaliser, ``ByteLevel(add_prefix_space)`` pre-tokenizer (``add_prefix_space`` from
+    tokenizer_config.json, default false), ByteLevel decoder, the special tokens as added special tokens.
+    Returns the backend and its serialised spec (for the cut pattern)."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        bpe = models.BPE.from_file(vocab_path, merges_path, dropout=None, unk_token=None,
+                                   continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
+    except Exception as e:  # the Rust side reports unreadable / malformed files as plain exceptions
+        raise ValueError(f"{vocab_path} / {merges_path}: cannot read the BPE vocabulary: {e}") from e
+    tok = HFTokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=bool(cfg.get("add_prefix_space", False)))
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in dict.fromkeys(specials)])
+    spec = json.loads(tok.to_str())
+    return _TokenizersBackend(vocab_path, spec, tok=tok), spec
+
+
+def load_tokenizer(directory: str | os.PathLike, spm_normalization: str = "spm") -> Tokenizer:
+    """Load ``tokenizer.json`` (preferred), ``spm.model`` or ``vocab.json`` + ``merges.txt`` (DeBERTa v1's
+    byte-level BPE, :func:`_byte_level_bpe_backend`) from a checkpoint/tokenizer directory.
 
     ``tokenizer_config.json`` (optional with tokenizer.json) supplies special token strings,
-    ``do_lower_case`` (spm only) and ``model_max_length`` (None when absent or a placeholder >= 1e6, C08).
-    Raises FileNotFoundError when neither file is present.
+    ``do_lower_case`` and ``split_by_punct`` (spm only) and ``model_max_length`` (None when absent or a
+    placeholder >= 1e6, C08). Raises FileNotFoundError when neither file is present.
+
+    ``spm_normalization`` (one of ``SPM_NORMALIZATIONS``; only for an ``spm.model`` without
+    ``tokenizer.json``): ``"spm"`` applies the model's own normaliser as sentencepiece and transformers 4
+    do (:class:`_SpmNativeBackend`; what hub fine-tunes of deberta-v3 / mdeberta were trained with);
+    ``"transformers5"`` reproduces transformers 5, which drops it (:class:`_SentencePieceBackend`). The
+    choice and its reason are logged at INFO. Raises ValueError for another value.
     """
+    if spm_normalization not in SPM_NORMALIZATIONS:
+        raise ValueError(f"spm_normalization {spm_normalization!r}: expected one of {list(SPM_NORMALIZATIONS)}")
     directory = os.fspath(directory)
     cfg = _read_json(os.path.join(directory, "tokenizer_config.json"))
     smap = _read_json(os.path.join(directory, "special_tokens_map.json"))
@@ -739,9 +997,15 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     names = {k: tok_name(f"{k}_token", f"[{k.upper()}]") for k in ("cls", "sep", "pad", "unk", "mask")}
     json_path = os.path.join(directory, "tokenizer.json")
     spm_path = os.path.join(directory, "spm.model")
-    if os.path.isfile(json_path):
-        spec = _read_json(json_path)
-        backend = _TokenizersBackend(json_path, spec)
+    vocab_path, merges_path = os.path.join(directory, BPE_VOCAB), os.path.join(directory, BPE_MERGES)
+    bpe = (not os.path.isfile(json_path) and not os.path.isfile(spm_path)
+           and os.path.isfile(vocab_path) and os.path.isfile(merges_path))
+    if os.path.isfile(json_path) or bpe:
+        if bpe:
+            backend, spec = _byte_level_bpe_backend(vocab_path, merges_path, cfg, list(names.values()))
+        else:
+            spec = _read_json(json_path)
+            backend = _TokenizersBackend(json_path, spec)
         tok = backend.tok
         vocab_size = tok.get_vocab_size(with_added_tokens=True)
         ids = {k: tok.token_to_id(v) for k, v in names.items()}
@@ -751,11 +1015,14 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
             for k in ("cls", "sep"):
                 if names[k] in st and st[names[k]].get("ids"):
                     ids[k] = st[names[k]]["ids"][0]
-        source = json_path
+        source = vocab_path if bpe else json_path
         specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
         special_ids = frozenset(tok.token_to_id(s) for s in specials if tok.token_to_id(s) is not None)
     elif os.path.isfile(spm_path):
-        backend = _SentencePieceBackend(spm_path, bool(cfg.get("do_lower_case", False)))
+        lower, punct = bool(cfg.get("do_lower_case", False)), bool(cfg.get("split_by_punct", False))
+        spm_backend = _SpmNativeBackend if spm_normalization == "spm" else _SentencePieceBackend
+        backend = spm_backend(spm_path, lower, punct)
+        _log_spm_normalization(spm_path, spm_normalization, backend.model_normalizer, lower, punct)
         sp = backend.sp
         vocab_size = sp.get_piece_size()
 
@@ -767,7 +1034,8 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
         source = spm_path
         special_ids = frozenset(i for i in range(vocab_size) if sp.is_control(i) or sp.is_unknown(i))
     else:
-        raise FileNotFoundError(f"{directory}: neither tokenizer.json nor spm.model found")
+        raise FileNotFoundError(f"{directory}: neither tokenizer.json nor spm.model found (nor DeBERTa v1's "
+                                f"vocab.json + merges.txt)")
     for k in ("cls", "sep"):
         if ids[k] is None:
             raise ValueError(f"{source}: special token {names[k]!r} ({k}_token) is not in the vocabulary")

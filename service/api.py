@@ -97,11 +97,12 @@ def add_to_server(servicer: "InferenceServicer", server: grpc.aio.Server) -> Non
 class _Scope:
     """What the error/metrics wrapper needs to know about a request once the handler knows it."""
 
-    __slots__ = ("model", "inflight")
+    __slots__ = ("model", "inflight", "task")
 
-    def __init__(self) -> None:
+    def __init__(self, task: str = "") -> None:
         self.model = metrics.UNKNOWN_MODEL
         self.inflight = False
+        self.task = task  # the metrics label; a handler serving several tasks (KServe v2 ModelInfer) sets it
 
 
 def _rpc(task: str) -> Callable:
@@ -111,7 +112,7 @@ def _rpc(task: str) -> Callable:
         @functools.wraps(handler)
         async def wrapper(self: "InferenceServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
             t0 = time.monotonic()
-            scope = _Scope()
+            scope = _Scope(task)
             code = "OK"
             try:
                 if isinstance(request, MalformedRequest):
@@ -146,7 +147,7 @@ def _rpc(task: str) -> Callable:
             finally:
                 if scope.inflight:
                     metrics.inflight(scope.model, -1)
-                metrics.observe_request(scope.model, task, code, time.monotonic() - t0)
+                metrics.observe_request(scope.model, scope.task, code, time.monotonic() - t0)
 
         wrapper.task = task  # the metrics label, also for calls refused before the handler runs (auth)
         return wrapper
@@ -188,7 +189,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             out.models.add(
                 name=info.name, task=info.task, family=info.family, backend=info.backend, device=info.device,
                 dtype=info.dtype, max_seq_len=info.max_seq_len, labels=list(info.labels),
-                max_batch_size=info.max_batch_size,
+                max_batch_size=info.max_batch_size, function_to_apply=info.function_to_apply,
             )
         return out
 
@@ -199,7 +200,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                                                   len(runner.info().labels), runner.name,
                                                   max_texts=runner.config.max_request_texts,
                                                   max_chars=runner.config.max_request_chars)
-        items, _timings = await runner.classify(texts, pairs, int(request.top_k), _deadline(context))
+        function = classify.validate_function(request.function_to_apply)
+        items, _timings = await runner.classify(texts, pairs, int(request.top_k), _deadline(context),
+                                                function_to_apply=function)
         reply = inference_pb2.ClassifyResponse()
         for item in items:
             r = reply.results.add(truncated=item.truncated, num_tokens=item.num_tokens)
@@ -217,11 +220,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             null_threshold=request.null_threshold if request.HasField("null_threshold") else None,
             max_seq_len=runner.max_seq_len, default_max_answer_len=runner.config.max_answer_len,
             default_doc_stride=runner.config.doc_stride, max_chars=runner.config.max_request_chars, model=runner.name,
+            align_to_words=request.align_to_words if request.HasField("align_to_words") else None,
+            default_align_to_words=runner.config.align_to_words,
         )
         result = await runner.answer(
             question, text, top_k=opts.top_k, max_answer_len=opts.max_answer_len,
             doc_stride=opts.doc_stride, allow_impossible=opts.allow_impossible, null_threshold=opts.null_threshold,
-            deadline=_deadline(context), clamp_stride=opts.stride_is_default,
+            deadline=_deadline(context), clamp_stride=opts.stride_is_default, align_to_words=opts.align_to_words,
         )
         reply = inference_pb2.AnswerResponse(num_windows=result.num_windows)
         for a in result.answers:

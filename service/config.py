@@ -40,6 +40,10 @@ Example file::
                                           #   cannot speak TLS or send tokens); null: none
     health_host: null                     # its address (null: host); the kubelet probes the pod IP, so in
                                           #   Kubernetes it must not be 127.0.0.1
+    http_port: null                       # HTTP/JSON API (service/http_api.py: KServe v2 REST, /v1/classify,
+                                          #   /v1/answer, /v1/translate, /metrics) on this port, same TLS and
+                                          #   tokens as gRPC; 0 picks a free port; null: off
+    http_host: null                       # its address (null: host)
     models:
       - name: sentiment
         path: defaults/sentiment          # relative paths are relative to the config file
@@ -70,6 +74,9 @@ Example file::
                                           #   default, one per core)
         onnx_graph_optimization: all      # disable | basic | extended | all
         onnx_parity_tolerance: 0.001      # graph vs torch on the warm-up batch at load; worse refuses to serve
+        spm_normalization: spm            # spm.model-only tokenizers (no tokenizer.json): spm applies the
+                                          #   model's own normaliser (nmt_nfkc), as sentencepiece and
+                                          #   transformers 4 do; transformers5 drops it as transformers 5 does
       - name: qa
         path: defaults/qa
         max_seq_len: 384
@@ -78,6 +85,9 @@ Example file::
                                           #   the window's context room; a client's larger doc_stride is refused
         max_answer_len: 30
         max_qa_windows: 64                # windows per Answer request; a longer context is INVALID_ARGUMENT
+        align_to_words: true              # answers widened to whole words, as transformers' QA pipeline (a
+                                          #   request's align_to_words overrides); false: token-exact spans
+                                          #   (better for scripts without spaces: Chinese, Japanese)
       - name: translate-de-en           # an RNNsearch directory (config.json model_type "rnnsearch")
         path: defaults/translate-de-en
         scheduling: iteration             # iteration (join/leave between decoder steps) | request
@@ -105,6 +115,7 @@ from .auth import check_tls_files, read_tokens
 from .errors import ConfigError
 
 MIB = 1024 * 1024
+# <repo>/defaults in a checkout; relserve/defaults (package data, same relative path) in an installed wheel.
 DEFAULTS_DIR = Path(__file__).resolve().parents[1] / "defaults"
 DEFAULT_MODELS: tuple[tuple[str, str], ...] = (("sentiment", "sentiment"), ("qa", "qa"))
 # Served by default only when their directory exists (translation models are produced separately).
@@ -118,6 +129,8 @@ MAX_BEAM_SIZE = 16
 
 BACKENDS = ("torch", "onnx", "auto")
 ONNX_GRAPH_OPTIMIZATIONS = ("disable", "basic", "extended", "all")
+# an spm.model-only tokenizer's normalisation (models.tokenization.SPM_NORMALIZATIONS; config must not import it)
+SPM_NORMALIZATIONS = ("spm", "transformers5")
 DTYPES = ("float32", "float16", "bfloat16")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -140,6 +153,7 @@ class ModelConfig:
     max_seq_len: int | None = None
     doc_stride: int = 128
     max_answer_len: int = 30
+    align_to_words: bool = True  # QA spans widened to whole words (the transformers pipeline's default)
     # per-request limits, checked before any tokenizing (service/tasks/*.validate_*; QA windows by the tokenizer)
     max_request_texts: int = 256
     max_request_chars: int = 1_000_000
@@ -155,6 +169,7 @@ class ModelConfig:
     onnx_graph_optimization: str = "all"
     onnx_parity_tolerance: float = 1e-3
     torch_intra_op_threads: int = 0  # torch backends: intra-op threads of the model's thread (0: torch's default)
+    spm_normalization: str = "spm"  # SPM_NORMALIZATIONS: spm.model-only tokenizers (models/tokenization.py)
     # translation (RNNsearch) models only
     scheduling: str = "iteration"
     max_active_hypotheses: int = 256
@@ -229,10 +244,12 @@ class ServerConfig:
     tls_client_ca: Path | None = None   # PEM CA bundle: clients must present a certificate it signed (mTLS)
     auth_token_file: Path | None = None  # bearer tokens, one per line: calls without one are UNAUTHENTICATED
     auth_health: bool = False           # true: grpc.health.v1 on the gRPC port needs a token too
-    reflection: bool = True             # grpc.reflection.v1alpha (needs a token when auth is on)
+    reflection: bool = True             # grpc.reflection.v1 + v1alpha (needs a token when auth is on)
     metrics_host: str | None = None     # address of the /metrics HTTP server (None: host)
     health_port: int | None = None      # plaintext grpc.health.v1-only listener for probes (None: off)
     health_host: str | None = None      # its address (None: host)
+    http_port: int | None = None        # HTTP/JSON API port (service/http_api.py; None: off, 0: a free port)
+    http_host: str | None = None        # its address (None: host)
     models: tuple[ModelConfig, ...] = field(default_factory=tuple)
 
     def model(self, name: str) -> ModelConfig:
@@ -248,10 +265,10 @@ _MODEL_TYPES: dict[str, type] = {
     "name": str, "path": str, "backend": str, "device": str, "dtype": str,
     "max_batch_size": int, "max_batch_tokens": int, "max_queue_delay": float, "max_queue_size": int,
     "max_seq_len": int, "doc_stride": int, "max_answer_len": int, "instances": int, "warmup": bool,
-    "max_request_texts": int, "max_request_chars": int, "max_qa_windows": int,
+    "max_request_texts": int, "max_request_chars": int, "max_qa_windows": int, "align_to_words": bool,
     "length_bucketing": bool, "max_request_batch_share": float, "max_batch_time_ms": float,
     "onnx_cache_dir": str, "onnx_intra_op_threads": int, "onnx_graph_optimization": str,
-    "onnx_parity_tolerance": float, "torch_intra_op_threads": int,
+    "onnx_parity_tolerance": float, "torch_intra_op_threads": int, "spm_normalization": str,
     "scheduling": str, "max_active_hypotheses": int, "max_source_tokens": int, "beam_size": int,
     "max_len_a": float, "max_len_b": int, "max_output_tokens": int, "length_penalty": float,
 }
@@ -262,10 +279,12 @@ _SERVER_TYPES: dict[str, type] = {
     "reflection": bool, "metrics_host": str, "health_port": int, "health_host": str,
     "max_connection_age": float, "max_connection_age_grace": float, "keepalive_time": float,
     "keepalive_timeout": float, "keepalive_min_ping_interval": float, "keepalive_permit_without_calls": bool,
+    "http_port": int, "http_host": str,
 }
 # Server keys naming files: relative paths are relative to the config file (flags: to the cwd).
 _SERVER_PATH_KEYS = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")
-_NULLABLE_SERVER_KEYS = (*_SERVER_PATH_KEYS, "metrics_host", "health_port", "health_host", "max_connection_age")
+_NULLABLE_SERVER_KEYS = (*_SERVER_PATH_KEYS, "metrics_host", "health_port", "health_host", "max_connection_age",
+                         "http_port", "http_host")
 
 
 def check_doc_stride(where: str, doc_stride: int, max_seq_len: int) -> None:
@@ -403,6 +422,10 @@ def validate_model(m: ModelConfig) -> ModelConfig:
     if m.torch_intra_op_threads < 0:
         raise ConfigError(f"{where}: torch_intra_op_threads must be >= 0 (0: torch's default, one per core), got "
                           f"{m.torch_intra_op_threads}")
+    if m.spm_normalization not in SPM_NORMALIZATIONS:
+        raise ConfigError(f"{where}: spm_normalization {m.spm_normalization!r} is not one of "
+                          f"{list(SPM_NORMALIZATIONS)} (spm: the spm.model's own normaliser, as sentencepiece and "
+                          f"transformers 4; transformers5: without it, as transformers 5)")
     if not m.onnx_parity_tolerance > 0:
         raise ConfigError(f"{where}: onnx_parity_tolerance must be > 0, got {m.onnx_parity_tolerance}")
     if m.scheduling not in SCHEDULING:
@@ -447,6 +470,7 @@ def load_config(
     *,
     overrides: Mapping[str, Any] | None = None,
     model_specs: Sequence[str] = (),
+    dir_models: Sequence[tuple[str, Mapping[str, Any]]] = (),
     defaults_dir: Path = DEFAULTS_DIR,
 ) -> ServerConfig:
     """Build the one :class:`ServerConfig` of a process.
@@ -455,6 +479,8 @@ def load_config(
         config_file: YAML file (optional).
         overrides: server-level keys from the command line; None values are ignored.
         model_specs: ``--model NAME=DIR[,key=value...]`` strings; relative DIRs are relative to the cwd.
+        dir_models: ``(where, raw model mapping)`` entries of ``--model-dir`` (service/model_dir.py
+            ``dir_models``); like ``--model`` entries they replace file entries of the same name.
         defaults_dir: where the built-in default models live (``<repo>/defaults``).
 
     Raises:
@@ -516,6 +542,12 @@ def load_config(
             raise ConfigError(f"--model names must be unique: {m.name!r} is given twice")
         from_cli.add(m.name)
         models[m.name] = m  # the command line replaces a file entry of the same name
+    for where, entry in dir_models:
+        m = _model_from_mapping(entry, Path.cwd(), where)
+        if m.name in from_cli:
+            raise ConfigError(f"{where}: model name {m.name!r} is also given by --model")
+        from_cli.add(m.name)
+        models[m.name] = m
     if not models:
         for name, sub in DEFAULT_MODELS:
             path = defaults_dir / sub
@@ -559,7 +591,7 @@ def validate_security(cfg: ServerConfig) -> None:
         raise ConfigError("tls_client_ca (client certificates, mTLS) needs TLS: set tls_cert and tls_key too")
     if cfg.auth_health and cfg.auth_token_file is None:
         raise ConfigError("auth_health: true needs auth_token_file (without tokens there is nothing to require)")
-    for key in ("metrics_host", "health_host"):
+    for key in ("metrics_host", "health_host", "http_host"):
         if getattr(cfg, key) is not None and not getattr(cfg, key).strip():
             raise ConfigError(f"{key} is empty; give an address, or leave the key out to use host")
     if cfg.health_port is not None:
@@ -569,6 +601,13 @@ def validate_security(cfg: ServerConfig) -> None:
         if cfg.health_port != 0 and (cfg.health_host or cfg.host) == cfg.host and cfg.health_port in (
                 cfg.port, cfg.metrics_port):
             raise ConfigError(f"health_port {cfg.health_port} is already the gRPC or the metrics port")
+    if cfg.http_port is not None:
+        if not 0 <= cfg.http_port <= 65535:
+            raise ConfigError(f"http_port must be between 0 and 65535 (leave it out for no HTTP/JSON API), "
+                              f"got {cfg.http_port}")
+        if cfg.http_port != 0 and (cfg.http_host or cfg.host) == cfg.host and cfg.http_port in (
+                cfg.port, cfg.metrics_port, cfg.health_port):
+            raise ConfigError(f"http_port {cfg.http_port} is already the gRPC, the metrics or the health port")
     if cfg.tls_cert is not None and cfg.tls_key is not None:
         check_tls_files(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
     if cfg.auth_token_file is not None:

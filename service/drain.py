@@ -25,12 +25,13 @@ be joined at interpreter exit. No torch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import os
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import grpc
 
@@ -38,11 +39,12 @@ log = logging.getLogger(__name__)
 
 
 class InflightCalls(grpc.aio.ServerInterceptor):
-    """Counts the running calls of one service (method prefix ``/package.Service/``): from the moment
+    """Counts the running calls of one service (method prefix ``/package.Service/``, or a tuple of such
+    prefixes: relserve.v1 and KServe v2's ModelInfer): from the moment
     its handler starts until it returns, for unary-request handlers (the Inference RPCs); other handler
     shapes pass uncounted. Runs on the server's event loop."""
 
-    def __init__(self, method_prefix: str) -> None:
+    def __init__(self, method_prefix: str | tuple[str, ...]) -> None:
         self.method_prefix = method_prefix
         self.running = 0
         self._idle = asyncio.Event()
@@ -68,6 +70,16 @@ class InflightCalls(grpc.aio.ServerInterceptor):
         self.running -= 1
         if self.running == 0:
             self._idle.set()
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Count one running call for the block's duration: how calls of another transport (the HTTP/JSON
+        API, service/http_api.py) join the drain's wait."""
+        self._begin()
+        try:
+            yield
+        finally:
+            self._end()
 
     def _wrap(self, behavior: Callable) -> Callable:
         if inspect.isasyncgenfunction(behavior):

@@ -2,9 +2,11 @@
 
     relserve serve [--config FILE] [--host HOST] [--port 50051] [--metrics-port 8002]
                    [--model NAME=DIR[,key=value...]]... [--drain-timeout SECONDS] [--log-level LEVEL]
+                   [--model-dir DIR [--model-name NAME] [--model-options key=value,...]...]   (KServe: /mnt/models)
                    [--compute-scheduling partition|fair|shared]
                    [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE]
                    [--no-reflection] [--metrics-host HOST] [--health-port PORT [--health-host HOST]]
+                   [--http-port PORT [--http-host HOST]]
                    [--max-connection-age S] [--max-connection-age-grace S] [--keepalive-time S]
                    [--keepalive-timeout S] [--keepalive-min-ping-interval S] [--[no-]keepalive-permit-without-calls]
     relserve export CHECKPOINT_DIR OUT_DIR [--opset 18] [--no-parity]   (see relserve.models.onnx.cli)
@@ -20,10 +22,12 @@ import argparse
 import asyncio
 import importlib
 import logging
+import os
 import signal
 import sys
-from typing import Sequence
+from typing import Mapping, Sequence
 
+from . import model_dir
 from .config import COMPUTE_SCHEDULING, ConfigError, ServerConfig, load_config
 
 log = logging.getLogger("relserve")
@@ -45,6 +49,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", action="append", default=[], metavar="NAME=DIR[,key=value...]",
                        help="serve the checkpoint DIR as NAME, e.g. --model sst2=./ckpt,max_batch_size=8 "
                             "(repeatable; default: the built-in models in defaults/)")
+    kserve = serve.add_argument_group(
+        "model directory (KServe: the storage initializer's /mnt/models; each flag falls back to the environment "
+        "variable named, see service/model_dir.py)")
+    kserve.add_argument("--model-dir", "--model_dir", dest="model_dir", metavar="DIR",
+                        help="a checkpoint (DIR/config.json: one model, named by --model-name) or one checkpoint "
+                             f"sub-directory per model, named after it [${model_dir.ENV_DIR}]")
+    kserve.add_argument("--model-name", "--model_name", dest="model_name", metavar="NAME",
+                        help=f"name of a single-checkpoint --model-dir (KServe: {{{{.Name}}}}) [${model_dir.ENV_NAME}]")
+    kserve.add_argument("--model-options", "--model_options", dest="model_options", metavar="KEY=VALUE,...",
+                        action="append", default=[],
+                        help="model config keys for every model of --model-dir, e.g. device=cuda,dtype=float16 "
+                             f"(repeatable, later keys win; after those of ${model_dir.ENV_OPTIONS})")
     serve.add_argument("--drain-timeout", type=float, help="seconds to let in-flight requests finish on SIGTERM")
     serve.add_argument("--max-message-bytes", type=int,
                        help="max gRPC message size both ways (default 4194304)")
@@ -84,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="also serve grpc.health.v1 alone, in plaintext, on PORT (for kubelet probes "
                                "when TLS or auth is on; 0 picks a free port)")
     security.add_argument("--health-host", metavar="HOST", help="address of --health-port (default: --host)")
+    security.add_argument("--http-port", type=int, metavar="PORT",
+                          help="also serve the HTTP/JSON API (KServe v2 REST, /v1/classify|answer|translate, "
+                               "/metrics) on PORT, with the gRPC port's TLS and tokens (0 picks a free port)")
+    security.add_argument("--http-host", metavar="HOST", help="address of --http-port (default: --host)")
     sub.add_parser("export", add_help=False, help="export a checkpoint to ONNX (custom relative-position ops) "
                                                   "with a parity report against torch (see export --help)")
     sub.add_parser("loadtest", add_help=False,
@@ -93,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    """The one place command-line flags meet the config file."""
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServerConfig:
+    """The one place command-line flags meet the config file (and the ``RELSERVE_MODEL_*`` variables of
+    ``environ``, default ``os.environ``, where their flags are absent)."""
     overrides = {
         "host": args.host,
         "port": args.port,
@@ -118,8 +139,43 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         "metrics_host": args.metrics_host,
         "health_port": args.health_port,
         "health_host": args.health_host,
+        "http_port": args.http_port,
+        "http_host": args.http_host,
     }
-    return load_config(args.config, overrides=overrides, model_specs=args.model)
+    return load_config(args.config, overrides=overrides, model_specs=args.model,
+                       dir_models=_dir_models(args, os.environ if environ is None else environ))
+
+
+def _dir_models(args: argparse.Namespace, environ: Mapping[str, str]) -> list:
+    """``--model-dir`` and ``--model-name``, each falling back to its environment variable, and the model options
+    of ``$RELSERVE_MODEL_OPTIONS`` then of each ``--model-options`` (a KServe InferenceService's args come after
+    its runtime's, so it can add to or override the runtime's options), as ``load_config`` ``dir_models`` entries.
+
+    Raises:
+        ConfigError: a name or options without a directory, or what ``model_dir.dir_models`` refuses.
+    """
+    def pick(flag: str, value: str | None, env: str) -> tuple[str | None, str]:
+        if value is not None:
+            return value, flag
+        if environ.get(env):
+            return environ[env], f"${env}"
+        return None, f"{flag} (or ${env})"
+
+    directory, dir_source = pick("--model-dir", args.model_dir, model_dir.ENV_DIR)
+    name, name_source = pick("--model-name", args.model_name, model_dir.ENV_NAME)
+    env_options = environ.get(model_dir.ENV_OPTIONS)
+    options = [(f"${model_dir.ENV_OPTIONS}", env_options)] if env_options else []
+    options += [("--model-options", text) for text in args.model_options]
+    if directory is None:
+        for value, source in ((name, name_source), *((text, src) for src, text in options)):
+            if value is not None:
+                raise ConfigError(f"{source} is given but no model directory: add --model-dir DIR "
+                                  f"(or set ${model_dir.ENV_DIR})")
+        return []
+    parsed = {}
+    for source, text in options:
+        parsed.update(model_dir.parse_options(text, source))
+    return model_dir.dir_models(directory, name, parsed, dir_source=dir_source, name_source=name_source)
 
 
 async def serve(config: ServerConfig, runners=None) -> int:
@@ -201,6 +257,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         module = importlib.import_module(f"relserve.models.training.{argv[0].removeprefix('train-')}")
         return module.main(argv[1:])
     if argv[:1] == ["export"]:
+        from relserve.service.backends import require_onnx
+
+        try:
+            require_onnx("relserve export")  # the onnx extra is optional; say which to install
+        except ConfigError as exc:
+            print(f"relserve: {exc}", file=sys.stderr)
+            return 2
         from relserve.models.onnx.cli import main as export_main  # imports torch, onnx; its own flags
 
         return export_main(argv[1:])

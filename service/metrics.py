@@ -200,6 +200,18 @@ def count_refused(task: str, code: str) -> None:
 
 
 METRICS_PATH = "/metrics"
+
+
+def exposition(accept: str, accept_encoding: str, names: list[str] | None = None) -> tuple[bytes, str, str | None]:
+    """The default registry as a scrape answer: ``(body, content type, content encoding or None)`` in the format
+    the ``Accept`` header asks for (prometheus_client's ``choose_encoder``), gzip when ``Accept-Encoding`` allows
+    it, only the metrics ``names`` when given (``?name[]=`` as in prometheus_client's own handler). Used by the
+    metrics port and by ``/metrics`` on the HTTP/JSON port (service/http_api.py)."""
+    encoder, content_type = choose_encoder(accept)
+    output = encoder(REGISTRY.restricted_registry(names) if names else REGISTRY)
+    if gzip_accepted(accept_encoding):
+        return gzip.compress(output), content_type, "gzip"
+    return output, content_type, None
 _NOT_FOUND = b"404 not found: this port serves only /metrics\n"
 
 
@@ -222,12 +234,10 @@ class _MetricsHandler(BaseHTTPRequestHandler):
         if url.path != METRICS_PATH:
             status, content_type, output, encoding = 404, "text/plain; charset=utf-8", _NOT_FOUND, None
         else:
-            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-            names = parse_qs(url.query).get("name[]")
-            output = encoder(REGISTRY.restricted_registry(names) if names else REGISTRY)
-            status, encoding = 200, None
-            if gzip_accepted(self.headers.get("Accept-Encoding", "")):
-                output, encoding = gzip.compress(output), "gzip"
+            output, content_type, encoding = exposition(self.headers.get("Accept", ""),
+                                                        self.headers.get("Accept-Encoding", ""),
+                                                        parse_qs(url.query).get("name[]"))
+            status = 200
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         if encoding:

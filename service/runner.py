@@ -24,7 +24,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 
 from . import metrics
-from .backends.base import TASK_QA, Backend, ModelMeta
+from .backends.base import TASK_CLASSIFICATION, TASK_QA, Backend, ModelMeta
 from .batcher import Batcher, BatchStats, Unit
 from .compute import ComputeScheduler, Lane
 from .config import ModelConfig, check_doc_stride
@@ -50,14 +50,15 @@ class TaskProcessing(Protocol):
     def classify_preprocess(self, tokenizer: Any, texts: Sequence[str], pairs: Sequence[str] | None,
                             max_seq_len: int) -> list[Any]: ...
 
-    def classify_postprocess(self, logits: Any, meta: ModelMeta, top_k: int) -> list[tuple[str, float]]: ...
+    def classify_postprocess(self, logits: Any, meta: ModelMeta, top_k: int,
+                             function_to_apply: str | None = None) -> list[tuple[str, float]]: ...
 
     def qa_windows(self, tokenizer: Any, question: str, context: str, max_seq_len: int, doc_stride: int, *,
                    max_windows: int | None = None, clamp_stride: bool = False) -> list[Any]: ...
 
     def qa_best_answers(self, windows: Sequence[Any], logits: Sequence[tuple[Any, Any]], context: str, *,
                         top_k: int, max_answer_len: int, allow_impossible: bool,
-                        null_threshold: float) -> list[Any]: ...
+                        null_threshold: float, align_to_words: bool = False) -> list[Any]: ...
 
 
 class DefaultTaskProcessing:
@@ -67,9 +68,9 @@ class DefaultTaskProcessing:
     def classify_preprocess(self, tokenizer, texts, pairs, max_seq_len):
         return classify.preprocess(tokenizer, texts, pairs, max_seq_len)
 
-    def classify_postprocess(self, logits, meta, top_k):
+    def classify_postprocess(self, logits, meta, top_k, function_to_apply=None):
         id2label = {i: label for i, label in enumerate(meta.labels)}
-        return classify.postprocess(logits, id2label, meta.problem_type, top_k)
+        return classify.postprocess(logits, id2label, meta.problem_type, top_k, function_to_apply)
 
     def qa_windows(self, tokenizer, question, context, max_seq_len, doc_stride, *, max_windows=None,
                    clamp_stride=False):
@@ -77,12 +78,12 @@ class DefaultTaskProcessing:
                                     clamp_stride=clamp_stride)
 
     def qa_best_answers(self, windows, logits, context, *, top_k, max_answer_len, allow_impossible,
-                        null_threshold):
+                        null_threshold, align_to_words=False):
         try:
             return qa_spans.best_answers(
                 windows, [s for s, _ in logits], [e for _, e in logits], context,
                 top_k=top_k, max_answer_len=max_answer_len, allow_impossible=allow_impossible,
-                null_threshold=null_threshold,
+                null_threshold=null_threshold, align_to_words=align_to_words,
             )
         except ValueError as e:  # logits that do not fit the windows: a model bug, not the client's
             raise Internal(str(e)) from None
@@ -99,6 +100,7 @@ class ModelInfo:
     max_seq_len: int
     labels: tuple[str, ...]
     max_batch_size: int
+    function_to_apply: str = ""  # classification: the scores' default function (classify.default_function)
 
 
 @dataclass
@@ -266,6 +268,8 @@ class Runner:
             max_seq_len=self.max_seq_len,
             labels=tuple(m.labels) if m else (),
             max_batch_size=self.scheduler.max_batch_size if self.scheduler else self.config.max_batch_size,
+            function_to_apply=(classify.default_function(m.problem_type, len(m.labels))
+                               if m and m.task == TASK_CLASSIFICATION else ""),
         )
 
     def _check_ready(self) -> Any:
@@ -331,8 +335,10 @@ class ModelRunner(Runner):
     # ------------------------------------------------------------------ requests
 
     async def classify(self, texts: Sequence[str], pairs: Sequence[str] | None, top_k: int,
-                       deadline: float | None) -> tuple[list[ClassifyItem], Timings]:
-        """Classify validated texts (and pairs): one item per text, in order.
+                       deadline: float | None,
+                       function_to_apply: str | None = None) -> tuple[list[ClassifyItem], Timings]:
+        """Classify validated texts (and pairs): one item per text, in order; ``function_to_apply`` (checked
+        by ``classify.validate_function``; None: the model's default) turns logits into scores.
 
         Admission before work: the request's places (one per text) are reserved in the batcher before any
         tokenizing, so a full queue refuses it (RESOURCE_EXHAUSTED) at no tokenizing cost; the reservation
@@ -352,7 +358,7 @@ class ModelRunner(Runner):
         items = []
         for enc, unit in zip(encodings, units):
             items.append(ClassifyItem(
-                labels=self.tasks.classify_postprocess(unit.result, self.meta, top_k),
+                labels=self.tasks.classify_postprocess(unit.result, self.meta, top_k, function_to_apply),
                 truncated=bool(getattr(enc, "truncated", False)),
                 num_tokens=len(enc.input_ids),
             ))
@@ -360,9 +366,11 @@ class ModelRunner(Runner):
 
     async def answer(self, question: str, context: str, *, top_k: int, max_answer_len: int, doc_stride: int,
                      allow_impossible: bool, null_threshold: float, deadline: float | None,
-                     clamp_stride: bool = False) -> AnswerResult:
+                     clamp_stride: bool = False, align_to_words: bool | None = None) -> AnswerResult:
         """Answer a validated question over ``context`` (stride windows of ``max_seq_len`` overlapping by
-        ``doc_stride`` tokens; ``clamp_stride``: it is the config's default, lowered for a long question).
+        ``doc_stride`` tokens; ``clamp_stride``: it is the config's default, lowered for a long question;
+        ``align_to_words``: spans widened to whole words, ``relserve.models.qa_spans``; None: the model's
+        ``align_to_words`` config).
 
         Bounded work: the window count is estimated from the context's length and reserved in the batcher
         before tokenizing (a full queue refuses at no cost); the tokenizer then tokenizes only as much of the
@@ -401,6 +409,7 @@ class ModelRunner(Runner):
         raw = self.tasks.qa_best_answers(
             windows, logits, context, top_k=top_k, max_answer_len=max_answer_len,
             allow_impossible=allow_impossible, null_threshold=null_threshold,
+            align_to_words=self.config.align_to_words if align_to_words is None else align_to_words,
         )
         return AnswerResult([_as_answer(a) for a in raw], len(windows), timings)
 

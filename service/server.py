@@ -1,4 +1,5 @@
-"""The grpc.aio server: Inference + health + reflection, metrics over HTTP, load/warm-up, drain.
+"""The grpc.aio server: Inference + KServe v2 (service/api_v2.py) + health + reflection, metrics over HTTP,
+load/warm-up, drain.
 
 Security (keys in service/config.py, mechanics in service/auth.py): TLS or mTLS on the gRPC port, bearer
 tokens checked by an interceptor before any request is decoded (health open unless ``auth_health``;
@@ -30,9 +31,9 @@ from typing import Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from . import auth, compute, metrics
+from . import api_v2, auth, compute, metrics
+from . import reflection  # v1alpha (grpcio-reflection) and v1 (delegating to it)
 from .api import SERVICE_NAME, InferenceServicer, add_to_server
 from .compute import ComputeScheduler
 from .config import ServerConfig
@@ -48,7 +49,7 @@ HEALTH_SERVICES = ("", SERVICE_NAME)
 # their end (the process must exit within drain_timeout + 0.5 s, service/drain.py).
 CUTOFF_S = 0.15
 # Task labels of calls refused before a handler ran, for services other than Inference.
-_REFUSED_TASKS = {health.SERVICE_NAME: "health", reflection.SERVICE_NAME: "reflection"}
+_REFUSED_TASKS = {health.SERVICE_NAME: "health", **dict.fromkeys(reflection.SERVICE_NAMES, "reflection")}
 
 
 def refused_task(method: str) -> str:
@@ -57,6 +58,8 @@ def refused_task(method: str) -> str:
     service, _, name = method.lstrip("/").partition("/")
     if service == SERVICE_NAME:
         return getattr(getattr(InferenceServicer, name, None), "task", metrics.UNKNOWN_MODEL)
+    if service == api_v2.SERVICE_NAME:
+        return api_v2.refused_task(name)
     return _REFUSED_TASKS.get(service, metrics.UNKNOWN_MODEL)
 
 
@@ -76,8 +79,10 @@ class InferenceServer:
         self._metrics_http = None
         self.health_port: int | None = None  # the plaintext health-only listener (health_port), when on
         self._health_server: grpc.aio.Server | None = None
+        self.http_port: int | None = None  # the HTTP/JSON API (http_port, service/http_api.py), when on
+        self._http = None
         self._stopped = asyncio.Event()
-        self._inflight = InflightCalls(f"/{SERVICE_NAME}/")  # what a drain waits for
+        self._inflight = InflightCalls((f"/{SERVICE_NAME}/", api_v2.INFER_METHOD))  # what a drain waits for
         self._runners_closed = False
         # one per process: how the models' backend calls share the cores (compute_scheduling)
         self.compute = ComputeScheduler(config.compute_scheduling)
@@ -98,10 +103,12 @@ class InferenceServer:
                        if cfg.tls_cert is not None and cfg.tls_key is not None else None)
         interceptors = []
         if cfg.auth_token_file is not None:
-            # health stays open unless auth_health: kubelet gRPC probes cannot send metadata
+            # health (and KServe v2's ServerLive/ServerReady/ModelReady) stays open unless auth_health:
+            # kubelet gRPC probes cannot send metadata
             interceptors.append(auth.TokenAuthInterceptor(
                 auth.read_tokens(cfg.auth_token_file), on_refused=_count_unauthenticated,
-                open_methods=() if cfg.auth_health else (f"/{health.SERVICE_NAME}/",)))
+                open_methods=() if cfg.auth_health else (f"/{health.SERVICE_NAME}/", *api_v2.PROBE_METHODS)))
+        token_check = interceptors[0] if interceptors else None  # the HTTP/JSON port checks the same tokens
         if cfg.metrics_port is not None:  # bound first: a busy port then fails before any gRPC state exists
             metrics_host = cfg.metrics_host or cfg.host
             self._metrics_http, self.metrics_port = metrics.start_http(cfg.metrics_port, metrics_host)
@@ -129,11 +136,14 @@ class InferenceServer:
             ("grpc.so_reuseport", 0),
             *connection_options(cfg),
         ])
-        add_to_server(InferenceServicer(self.registry, cfg.max_send_message_length), self.server)
+        servicer = InferenceServicer(self.registry, cfg.max_send_message_length)
+        add_to_server(servicer, self.server)
+        # KServe v2 / Open Inference Protocol beside relserve.v1: same port, interceptors, registry, metrics
+        api_v2.add_to_server(api_v2.GRPCInferenceServicer(self.registry, cfg.max_send_message_length), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if cfg.reflection:
-            reflection.enable_server_reflection(
-                (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+            reflection.enable(
+                (SERVICE_NAME, api_v2.SERVICE_NAME, health.SERVICE_NAME), self.server
             )
         self.port = _bind(self.server, f"{cfg.host}:{cfg.port}", "gRPC", credentials)
         if cfg.health_port is not None:
@@ -142,6 +152,15 @@ class InferenceServer:
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
             health_host = cfg.health_host or cfg.host
             self.health_port = _bind(self._health_server, f"{health_host}:{cfg.health_port}", "health-only", None)
+        if cfg.http_port is not None:
+            # on this event loop, with the relserve.v1 handlers, the tokens, TLS files and the drain's call count
+            from .http_api import HttpApi, ssl_context
+            self._http = HttpApi(self.registry, servicer, self._inflight, max_body=cfg.max_receive_message_length,
+                                 tokens=token_check, auth_health=cfg.auth_health)
+            tls = ssl_context(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if credentials else None
+            self.http_port = await self._http.start(cfg.http_host or cfg.host, cfg.http_port, tls)
+            log.info("HTTP/JSON API (%s) on %s:%d", "https" if tls else "http", cfg.http_host or cfg.host,
+                     self.http_port)
         await self.server.start()
         security = ("mTLS" if cfg.tls_client_ca is not None else "TLS") if credentials else "plaintext"
         log.info("gRPC bound on %s:%d (%s, %s, reflection %s; NOT_SERVING until models are warm)", cfg.host,
@@ -228,6 +247,9 @@ class InferenceServer:
             await self.server.stop(max(0.0, deadline - loop.time()))
         if self._health_server is not None:  # after the main port: probes see NOT_SERVING while draining
             await self._health_server.stop(0)
+        if self._http is not None:  # the drain answered its requests (they count in _inflight)
+            await self._http.stop()
+            self._http = None
         await self.close_runners()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()

@@ -1,8 +1,16 @@
 """Generated gRPC stubs for the .proto files under proto/ (one flat module pair per file).
 
-The stubs are generated at build/test time (``python -m relserve.service._proto``, run by the
-Makefile) and are never committed. Importing this package generates them when they are missing or
-older than their .proto, so an editable install works even if the build step was skipped.
+The stubs are never committed. Where they come from:
+
+- Wheels (``pip install .``, ``pip wheel .``, ``pip install git+...``): ``setup.py``'s ``build_py`` runs
+  protoc into the build directory, so the wheel carries ``*_pb2*.py`` next to this file, plus the .proto
+  files themselves as package data (``relserve/proto/<dir>/<name>.proto``, the same ``../../proto`` relative
+  path as in the checkout). grpcio-tools is a build requirement only; an installed wheel never runs protoc.
+- Source checkouts (editable installs; recognised by ``pyproject.toml`` beside ``proto/``): the same
+  ``build_py`` generates them in place at ``pip install -e .``, ``python -m relserve.service._proto`` (the
+  Makefile) regenerates them, and importing this package regenerates them when they are missing or older
+  than their .proto, so editing a .proto needs no extra step. That needs grpcio-tools in the venv: the
+  ``[dev]`` extra (``[test]`` includes it), which the Makefile installs.
 
 ``PROTOS`` lists every file: ``proto/<dir>/<name>.proto`` becomes ``<name>_pb2`` and ``<name>_pb2_grpc``
 here, the grpc module importing its message module relatively.
@@ -14,24 +22,34 @@ import importlib
 import sys
 from pathlib import Path
 
+from . import _protoc
+
 _HERE = Path(__file__).resolve().parent
 _PROTO_TREE = _HERE.parents[1] / "proto"
 # (directory under proto/, file name): relserve's own API first.
 PROTOS = (
     ("relserve/v1", "inference.proto"),
+    ("kserve/v2", "grpc_predict_v2.proto"),
+    ("grpc/reflection/v1", "reflection.proto"),
 )
 
 
+# A source checkout (editable install) has pyproject.toml two levels up; an installed wheel does not.
+_CHECKOUT = (_HERE.parents[1] / "pyproject.toml").exists()
+
+
 def _outputs(name: str) -> tuple[Path, Path]:
-    stem = name.removesuffix(".proto")
-    return _HERE / f"{stem}_pb2.py", _HERE / f"{stem}_pb2_grpc.py"
+    return _protoc.outputs(_HERE, name)
 
 
 def _stale() -> bool:
     for directory, name in PROTOS:
         source = _PROTO_TREE / directory / name
         outputs = _outputs(name)
-        if not source.exists():  # installed without sources: trust what was generated at build time
+        if not _CHECKOUT:
+            # An installed wheel: the stubs were generated at build time. Its files' mtimes are whatever the
+            # installer wrote, so they say nothing; a missing stub is a broken build (generate() then says
+            # why, e.g. no grpcio-tools).
             if not all(p.exists() for p in outputs):
                 return True
             continue
@@ -41,31 +59,12 @@ def _stale() -> bool:
 
 
 def generate() -> None:
-    """Run protoc (from grpcio-tools) on every file of ``PROTOS`` and make the grpc modules import relatively.
+    """Run protoc (from grpcio-tools) on every file of ``PROTOS`` into this package's directory.
 
     Raises:
-        RuntimeError: protoc failed (the message names the file).
+        RuntimeError: grpcio-tools is missing or protoc failed (the message names the file).
     """
-    from grpc_tools import protoc  # build-time tool; imported only when generating
-
-    for directory, name in PROTOS:
-        root = _PROTO_TREE / directory
-        args = [
-            "protoc",
-            f"-I{root}",
-            f"-I{Path(protoc.__file__).parent / '_proto'}",
-            f"--python_out={_HERE}",
-            f"--grpc_python_out={_HERE}",
-            str(root / name),
-        ]
-        if protoc.main(args) != 0:
-            raise RuntimeError(f"protoc failed on {root / name}")
-        stem = name.removesuffix(".proto")
-        grpc_file = _outputs(name)[1]
-        # protoc writes a top-level import (``import a_pb2 as a__pb2``); the stubs live inside this package.
-        alias = stem.replace("_", "__") + "__pb2"
-        text = grpc_file.read_text().replace(f"import {stem}_pb2 as {alias}", f"from . import {stem}_pb2 as {alias}")
-        grpc_file.write_text(text)
+    _protoc.generate(PROTOS, _PROTO_TREE, _HERE)
 
 
 if _stale():

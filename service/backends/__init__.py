@@ -3,6 +3,11 @@ translation). The contracts they follow live in :mod:`.base`.
 
 Nothing here imports torch or onnxruntime: a backend module (and with it torch) is imported only when
 :func:`create_backend` / :func:`create_translation_backend` is asked for it.
+
+ONNX Runtime is optional (the ``relserve[onnx]`` / ``relserve[onnx-gpu]`` extras bring onnx, onnxscript and
+onnxruntime / onnxruntime-gpu): without it ``backend: auto`` is torch, and ``backend: onnx`` (or ``relserve
+export``) fails at model load with a ConfigError naming the extras (:func:`require_onnx`) instead of an
+ImportError from deep inside a backend.
 """
 
 from __future__ import annotations
@@ -16,13 +21,43 @@ from ..errors import ConfigError
 from .base import TASK_TRANSLATION, Backend, StepBackend
 
 TRANSLATION_MODEL_TYPES = ("rnnsearch",)
+# What the onnx extras install and the ONNX backends / export import (graph building, export, sessions).
+ONNX_MODULES = ("onnxruntime", "onnx", "onnxscript")
+ONNX_INSTALL_HINT = "pip install 'relserve[onnx]' (CPU) or 'relserve[onnx-gpu]' (CUDA; never both)"
+
+
+def missing_onnx_modules() -> list[str]:
+    """The modules of :data:`ONNX_MODULES` that cannot be imported here (found without importing them)."""
+    missing = []
+    for name in ONNX_MODULES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a finder that refuses the name counts as not installed
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def require_onnx(what: str) -> None:
+    """Fail early and clearly when ONNX Runtime (the onnx extra) is not installed.
+
+    Args:
+        what: who needs it, for the message (e.g. ``"model 'x': backend onnx"``).
+
+    Raises:
+        ConfigError: ``<what> needs ONNX Runtime (not installed: ...): pip install 'relserve[onnx]' ...``.
+    """
+    missing = missing_onnx_modules()
+    if missing:
+        raise ConfigError(f"{what} needs ONNX Runtime (not installed: {', '.join(missing)}): {ONNX_INSTALL_HINT}")
 
 
 def resolved_backend(config: ModelConfig) -> str:
-    """``torch`` or ``onnx``: ``auto`` is ONNX Runtime when ``onnxruntime`` is installed and the dtype is float32."""
+    """``torch`` or ``onnx``: ``auto`` is ONNX Runtime when the onnx extra is installed and the dtype is float32."""
     if config.backend != "auto":
         return config.backend
-    return "onnx" if config.dtype == "float32" and importlib.util.find_spec("onnxruntime") else "torch"
+    return "onnx" if config.dtype == "float32" and not missing_onnx_modules() else "torch"
 
 
 def checkpoint_task(path: str | Path) -> str | None:
@@ -40,10 +75,11 @@ def create_backend(config: ModelConfig) -> Backend:
     """The encoder backend named by the model's config (imports its module, and so torch, only here).
 
     Raises:
-        ConfigError: unknown backend.
+        ConfigError: unknown backend, or backend onnx without ONNX Runtime installed.
     """
     backend = resolved_backend(config)
     if backend == "onnx":
+        require_onnx(f"model {config.name!r}: backend onnx")
         from .onnx_encoder import OnnxBackend
 
         return OnnxBackend(config)
@@ -58,10 +94,11 @@ def create_translation_backend(config: ModelConfig) -> StepBackend:
     """The translation (step) backend named by the model's config (imports its module only here).
 
     Raises:
-        ConfigError: unknown backend.
+        ConfigError: unknown backend, or backend onnx without ONNX Runtime installed.
     """
     backend = resolved_backend(config)
     if backend == "onnx":
+        require_onnx(f"model {config.name!r}: backend onnx")
         from .onnx_translation import OnnxTranslationBackend
 
         return OnnxTranslationBackend(config)

@@ -40,7 +40,7 @@ class ModelMeta:
     dtype: str                      # "float32" | "float16" | "bfloat16"
     tokenizer: Any                  # relserve.models.tokenization.Tokenizer / TranslationTokenizer (or a fake)
     labels: tuple[str, ...] = ()    # classification labels in id order
-    problem_type: str | None = None  # "multi_label_classification" -> sigmoid scores
+    problem_type: str | None = None  # with the label count, the scores' default (tasks.classify.default_function)
     max_positions: int | None = None  # the model's own limit (max_position_embeddings), None if unbounded
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. translation: eos_token_id; ONNX: graph
 

@@ -63,7 +63,7 @@ class OnnxBackend:
     def load(self) -> ModelMeta:
         name = self.config.name
         providers = select_providers(self.config)
-        loaded = load_checkpoint(self.config.path, device="cpu")
+        loaded = load_checkpoint(self.config.path, device="cpu", spm_normalization=self.config.spm_normalization)
         cfg, tok = loaded.config, loaded.tokenizer
         if loaded.task not in (TASK_CLASSIFICATION, TASK_QA):
             raise ConfigError(f"model {name!r}: task {loaded.task!r} is not served")
@@ -96,7 +96,7 @@ class OnnxBackend:
                                     f"{self._outputs}, but the checkpoint's {loaded.task} model needs {want_in} -> "
                                     f"{want_out}")
             self.meta = ModelMeta(
-                task=loaded.task, family="deberta-v2", backend=self.name, device=device, dtype="float32",
+                task=loaded.task, family=cfg.model_type, backend=self.name, device=device, dtype="float32",
                 tokenizer=tok, labels=labels, problem_type=cfg.problem_type, max_positions=max_positions,
                 extra={"graph": os.fspath(self.graph), "native_ops": bool(lib)},
             )

@@ -45,7 +45,8 @@ class TorchBackend:
     def load(self) -> ModelMeta:
         self.device = resolve_device(self.config.name, self.config.device)
         check_dtype_for_device(self.config.name, self.config.dtype, self.device)
-        ckpt = load_checkpoint(self.config.path, device=self.device, dtype=self.dtype)
+        ckpt = load_checkpoint(self.config.path, device=self.device, dtype=self.dtype,
+                               spm_normalization=self.config.spm_normalization)
         cfg = ckpt.config
         tok = ckpt.tokenizer
         self.model = ckpt.model

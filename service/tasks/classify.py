@@ -1,7 +1,10 @@
 """Sequence classification: the request validated once, tokenization in, (label, score) pairs out.
 
-Scores: softmax over the labels for single-label models; an independent sigmoid per label when
-``problem_type == "multi_label_classification"``; the raw value for ``"regression"``.
+Scores as transformers' ``TextClassificationPipeline`` computes them (its ``postprocess``): a per-request
+``function_to_apply`` (``softmax`` | ``sigmoid`` | ``none``), else the model's default picked the pipeline's
+way (:func:`default_function`): no function for ``problem_type == "regression"``; an independent sigmoid
+per label for ``"multi_label_classification"`` or a one-label model (DeBERTa-v3 cross-encoder rerankers are
+saved with ``num_labels=1`` and no ``problem_type``; TEI's rerank does the same); a softmax otherwise.
 """
 
 from __future__ import annotations
@@ -14,6 +17,38 @@ from relserve.models.tokenization import Encoding, Tokenizer
 from relserve.service.errors import Internal, InvalidArgument
 from relserve.service.tasks.limits import check_request_size
 from relserve.service.tasks.text import is_blank
+
+
+FUNCTIONS = ("softmax", "sigmoid", "none")  # ClassifyRequest.function_to_apply, as the pipeline's
+
+
+def default_function(problem_type: str | None, num_labels: int) -> str:
+    """The function the transformers text-classification pipeline applies when none is asked for:
+    ``"none"`` for regression, ``"sigmoid"`` for multi-label or one-label models, else ``"softmax"``
+    (the pipeline's order of checks; a model with no labels at all gets ``"none"``, as its fallback)."""
+    if problem_type == "regression":
+        return "none"
+    if problem_type == "multi_label_classification" or num_labels == 1:
+        return "sigmoid"
+    if problem_type == "single_label_classification" or num_labels > 1:
+        return "softmax"
+    return "none"
+
+
+def validate_function(function_to_apply: object) -> str | None:
+    """Check ``ClassifyRequest.function_to_apply``: ``""`` -> None (the model's default), else one of
+    :data:`FUNCTIONS`, case-insensitive like the pipeline's ``ClassificationFunction[name.upper()]``.
+
+    Raises:
+        InvalidArgument: any other value, naming the field and the allowed values.
+    """
+    if not function_to_apply:
+        return None
+    name = str(function_to_apply).lower()
+    if name not in FUNCTIONS:
+        raise InvalidArgument(f"function_to_apply {function_to_apply!r} is not one of {', '.join(FUNCTIONS)} "
+                              f"(or empty for the model's default)")
+    return name
 
 
 def _check_text(text: object, what: str) -> None:
@@ -104,10 +139,13 @@ def postprocess(
     id2label: Mapping[int | str, str] | None,
     problem_type: str | None,
     top_k: int,
+    function_to_apply: str | None = None,
 ) -> list[tuple[str, float]]:
     """Turn one item's ``logits`` (shape ``[num_labels]``) into ``(label, score)`` pairs, best first.
 
-    ``top_k`` 0 returns all labels (checked by :func:`validate_classify`). Ties keep label order. Labels
+    ``function_to_apply``: one of :data:`FUNCTIONS` (checked by :func:`validate_function`), None for
+    :func:`default_function` of ``problem_type`` and the logit count. ``top_k`` 0 returns all labels
+    (checked by :func:`validate_classify`). Ties keep label order (the pipeline's stable sort). Labels
     missing from ``id2label`` are called ``LABEL_<i>`` as in transformers.
 
     Raises:
@@ -119,13 +157,16 @@ def postprocess(
     if not np.all(np.isfinite(x)):
         raise Internal(f"the model returned non-finite logits {x.tolist()}")
     id2label = id2label or {}
-    if problem_type == "multi_label_classification":
+    function = function_to_apply or default_function(problem_type, x.size)
+    if function == "sigmoid":
         scores = 1.0 / (1.0 + np.exp(-x))
-    elif problem_type == "regression":
+    elif function == "none":
         scores = x
-    else:
+    elif function == "softmax":
         e = np.exp(x - x.max())
         scores = e / e.sum()
+    else:
+        raise Internal(f"unknown function_to_apply {function!r} reached postprocess")
     order = np.argsort(-scores, kind="stable")
     if top_k:
         order = order[:top_k]

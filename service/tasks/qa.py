@@ -30,14 +30,18 @@ class AnswerOptions:
     # doc_stride is the config's default (the request sent 0): lowered to the question's limit rather than
     # refused (Tokenizer.qa_windows(clamp_stride=True))
     stride_is_default: bool = False
+    # spans widened to whole words (relserve.models.qa_spans.word_span), the pipeline's align_to_words
+    align_to_words: bool = True
 
 
 def validate_answer(question: object, context: object, *, top_k: int, max_answer_len: int, doc_stride: int,
                     allow_impossible: bool, null_threshold: float | None, max_seq_len: int,
                     default_max_answer_len: int, default_doc_stride: int, max_chars: int | None = None,
-                    model: str = "") -> AnswerOptions:
+                    model: str = "", align_to_words: bool | None = None,
+                    default_align_to_words: bool = True) -> AnswerOptions:
     """Check an Answer request against the model's ``max_seq_len`` and resolve its defaults (0 = default:
-    ``top_k`` 1, ``max_answer_len`` / ``doc_stride`` the model's config; ``null_threshold`` None = 0.0).
+    ``top_k`` 1, ``max_answer_len`` / ``doc_stride`` the model's config; ``null_threshold`` None = 0.0;
+    ``align_to_words`` None = the model's ``align_to_words`` config, ``default_align_to_words``).
 
     ``doc_stride`` is the overlap in tokens between consecutive windows. A client's value must be at most
     half a window's context room: ``(max_seq_len - 4) // 2`` here (a one-token question); the exact limit
@@ -74,4 +78,6 @@ def validate_answer(question: object, context: object, *, top_k: int, max_answer
     threshold = 0.0 if null_threshold is None else float(null_threshold)
     if math.isnan(threshold):
         raise InvalidArgument("null_threshold is NaN; send a number (or +inf to always answer)")
-    return AnswerOptions(k, length, stride, bool(allow_impossible), threshold, stride_is_default=not doc_stride)
+    words = default_align_to_words if align_to_words is None else bool(align_to_words)
+    return AnswerOptions(k, length, stride, bool(allow_impossible), threshold, stride_is_default=not doc_stride,
+                         align_to_words=words)

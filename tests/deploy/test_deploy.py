@@ -11,7 +11,8 @@
 * Cross-checks against the real code: ports and drain time from ``relserve.service.config``, config files
   loaded with ``load_config``, the container command parsed by the real CLI parser, probe services from
   the proto and the server's health registration, metric names from ``relserve.service.metrics``,
-  Dockerfile install steps from the Makefile's install recipe.
+  the Dockerfiles' install (a wheel with the flavour's ONNX Runtime extra) against pyproject.toml, and their
+  HEALTHCHECK run against a real server.
 """
 
 from __future__ import annotations
@@ -619,53 +620,80 @@ def _entrypoint(path: Path) -> list[str]:
     return json.loads(eps[-1])
 
 
-def _makefile_install_steps() -> list[str]:
-    """The install recipe (target $(BIN)/.relserve-installed) with $(BIN)/python -> python."""
-    text = (REPO / "Makefile").read_text()
-    m = re.search(r"^\$\(BIN\)/\.relserve-installed:.*\n((?:\t.*\n)+)", text, re.M)
-    assert m, "Makefile install recipe not found"
-    steps = []
-    for line in m.group(1).splitlines():
-        line = line.strip().replace("$(BIN)/python", "python").replace("$(PYTHON)", "python")
-        if " -m pip install" in line or " -m relserve" in line:
-            steps.append(re.sub(r"\s-q\b", "", line))
-    return steps
+IMAGE_EXTRAS = {"cpu": ("onnx", "onnxruntime"), "cuda": ("onnx-gpu", "onnxruntime-gpu")}
 
 
 @pytest.mark.parametrize("flavour", list(DOCKERFILES))
-def test_dockerfile_install_matches_makefile(flavour):
+def test_dockerfile_installs_the_package_with_its_onnx_runtime(flavour):
+    """The builder makes a regular (non-editable) install of the sources with the ONNX Runtime extra of its
+    flavour (CPU: onnxruntime, CUDA: onnxruntime-gpu, never both) under the pinned versions; the runtime stage
+    carries the venv only, with the wheel's default models where the image config looks for them."""
     df = DOCKERFILES[flavour]
     lines = _logical_lines(df)
     stages = [ln for ln in lines if ln.upper().startswith("FROM ")]
     assert len(stages) >= 2 and any(" AS builder" in s for s in stages) and " AS runtime" in stages[-1]
-    run = " && ".join(_instructions(df, "RUN"))
-    steps = _makefile_install_steps()
-    assert any("pip install -c constraints.txt -e ." in s for s in steps) and any("relserve.service._proto" in s for s in steps)
-    for step in steps:
-        assert step in run, f"{df.name} lacks the Makefile install step {step!r}"
+    run = " ".join(_instructions(df, "RUN"))
+    args = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in _instructions(df, "ARG") if "=" in a}
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    extra, ort = IMAGE_EXTRAS[flavour]
+    assert args["RELSERVE_EXTRAS"] == extra
+    assert 'pip install -c constraints.txt ".[${RELSERVE_EXTRAS}]"' in run
+    assert " -e " not in run, "the image installs a wheel, not an editable checkout"
+    extra_deps = [d.split("==")[0].strip() for d in pyproject["project"]["optional-dependencies"][extra]]
+    assert ort in extra_deps and ({"onnxruntime", "onnxruntime-gpu"} - {ort}).isdisjoint(extra_deps)
     assert f"WORKDIR {IMAGE_ROOT}" in lines and "RUN python -m venv .venv" in lines
     assert f"PATH={IMAGE_ROOT}/.venv/bin:$PATH" in " ".join(_instructions(df, "ENV"))
     # torch in the image is the version pyproject pins
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    torch_pin = next(d for d in deps if d.startswith("torch=="))
-    args = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in _instructions(df, "ARG") if "=" in a}
+    torch_pin = next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch=="))
     assert f"torch=={args['TORCH_VERSION']}" == torch_pin
-    # the runtime stage carries the whole builder tree (venv + source + stubs + defaults) and the config
+    # the runtime stage carries the builder's venv and the config; the model paths lead into the wheel
     runtime = lines[lines.index(stages[-1]):]
     assert f"COPY --from=builder {IMAGE_ROOT} {IMAGE_ROOT}" in runtime
     assert f"COPY deploy/docker/config.yaml {IMAGE_CONFIG_PATH}" in runtime
+    assert f"{IMAGE_ROOT}/defaults" in " ".join(ln for ln in runtime if ln.startswith("RUN ln -s"))
     if flavour == "cpu":
         assert stages[0].split()[1] == "${PYTHON_IMAGE}" and args["PYTHON_IMAGE"].startswith("python:3.11-slim")
         assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     else:
-        assert args["CUDA_IMAGE"].startswith("nvidia/cuda:") and "python3.11" in run
+        # PyPI torch 2.13 and onnxruntime-gpu 1.31 are CUDA 13 builds: a CUDA 13 cuDNN runtime base, Python 3.11
+        assert re.fullmatch(r"nvidia/cuda:13\.0\.\d+-cudnn-runtime-ubuntu24\.04", args["CUDA_IMAGE"]), args
+        assert args["TORCH_INDEX_URL"] == "https://pypi.org/simple" and "python3.11" in run
+        assert "driver >= 580" in df.read_text()
+
+
+def _healthcheck(df: Path) -> list[str]:
+    (hc,) = _instructions(df, "HEALTHCHECK")
+    assert " CMD [" in hc, "exec form"
+    return json.loads(hc.split(" CMD ", 1)[1])
+
+
+@pytest.mark.parametrize("flavour", list(DOCKERFILES))
+def test_dockerfile_healthcheck_asks_grpc_health_of_a_real_server(flavour, tmp_path):
+    """The HEALTHCHECK command, run here against a real ``relserve serve`` (fake models) on the image config's
+    port replaced by a free one: exit 0 while SERVING, non-zero once the server is gone."""
+    from fixtures.server import FakeServerProcess
+
+    df = DOCKERFILES[flavour]
+    cmd = _healthcheck(df)
+    assert cmd[:2] == ["python", "-c"]
+    image_port = yaml.safe_load((DOCKER / "config.yaml").read_text())["port"]
+    assert f"'127.0.0.1:{image_port}'" in cmd[2]
+    srv = FakeServerProcess({"m": {}}).start()  # "serving on" is logged once health says SERVING
+    try:
+        probe = [sys.executable, "-c", cmd[2].replace(f"127.0.0.1:{image_port}", srv.target)]
+        ok = subprocess.run(probe, capture_output=True, text=True, timeout=30)
+    finally:
+        srv.close()
+    assert ok.returncode == 0, ok.stderr
+    gone = subprocess.run(probe, capture_output=True, text=True, timeout=30)
+    assert gone.returncode != 0
 
 
 @pytest.mark.parametrize("flavour", list(DOCKERFILES))
 def test_dockerfile_copies_what_the_package_needs(flavour):
     df = DOCKERFILES[flavour]
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    needed = {"pyproject.toml", pyproject["project"]["readme"], "proto", "defaults"}
+    needed = {"pyproject.toml", "setup.py", pyproject["project"]["readme"], "constraints.txt", "proto", "defaults"}
     needed |= {d.split("/")[0] for d in pyproject["tool"]["setuptools"]["package-dir"].values()}
     copied = set()
     for arg in _instructions(df, "COPY"):

@@ -60,7 +60,11 @@ def hf_server(tmp_path_factory, unigram_tokenizer_dir, spm_tokenizer_dir):
     }
     args = []
     for name, d in dirs.items():
-        args += ["--model", f"{name}={d},max_queue_delay=0.02"]
+        # the oracle is transformers 5's AutoTokenizer, which drops the spm.model's own normaliser: the v3 models
+        # (spm.model only) are served the same way (the default, sentencepiece's normaliser, is checked against
+        # sentencepiece in test_e2e_spm_normalization.py)
+        v5 = ",spm_normalization=transformers5" if name.endswith("v3") else ""
+        args += ["--model", f"{name}={d},max_queue_delay=0.02{v5}"]
     srv = ServerProcess(args, env={"OMP_NUM_THREADS": "1"}).start()
     channel = grpc.insecure_channel(srv.target)
     try:
@@ -159,11 +163,68 @@ def test_answer_best_span_matches_transformers(hf_server, name):
     for question, context in QA_CASES:
         for max_answer_len in (3, 15):
             reply = stub.Answer(pb.AnswerRequest(model=name, question=question, context=context, top_k=1,
-                                                 max_answer_len=max_answer_len), timeout=60)
+                                                 max_answer_len=max_answer_len, align_to_words=False), timeout=60)
             ans = reply.answers[0]
             assert reply.num_windows == 1
             assert ans.text == context[ans.start:ans.end] and ans.text == ans.text.strip()
             assert (ans.start, ans.end) == _oracle_span(dirs[name], question, context, max_answer_len)
+
+
+def _pipeline_words(d, question, context, max_answer_len):
+    """transformers' question-answering pipeline's ``align_to_words=True`` span of the best token pair (the
+    oracle's exhaustive search as :func:`_oracle_span`): ``enc.word_to_chars(enc.token_to_word(t), sequence_index=1)``
+    of the start and end tokens, as its ``postprocess`` does (the pipeline itself is no longer in transformers 5, so
+    its mapping is applied here to the same tokenizer's encoding); then trimmed of whitespace (C07: the pipeline can
+    keep the space a Metaspace word's first token covers)."""
+    model, tok = _hf_model(d)
+    enc = tok(question, context, return_offsets_mapping=True, return_tensors="pt")
+    offsets = enc.pop("offset_mapping")[0].tolist()
+    seq_ids = enc.sequence_ids(0)
+    if model.config.type_vocab_size == 0:
+        enc.pop("token_type_ids", None)
+    with torch.no_grad():
+        out = model(**enc)
+    s, e = out.start_logits[0].numpy(), out.end_logits[0].numpy()
+    usable = [i for i, sid in enumerate(seq_ids) if sid == 1 and context[offsets[i][0]:offsets[i][1]].strip()]
+    best, best_score = None, -np.inf
+    for i in usable:
+        for j in usable:
+            if i <= j < i + max_answer_len and s[i] + e[j] > best_score:
+                best, best_score = (i, j), s[i] + e[j]
+    a = enc.word_to_chars(enc.token_to_word(best[0]), sequence_index=1)[0]
+    b = enc.word_to_chars(enc.token_to_word(best[1]), sequence_index=1)[1]
+    while a < b and context[a].isspace():
+        a += 1
+    while b > a and context[b - 1].isspace():
+        b -= 1
+    return a, b
+
+
+WORD_CASES = QA_CASES + [
+    ("What is the capital?", "Washington is the capital of the United States and has many museums along the Mall."),
+    ("Who won?", "The  Broncos\tdefeated the Panthers 24\u201310,\nearning their third Super Bowl title."),
+]
+
+
+@pytest.mark.parametrize("name", ["qa-v3", "qa-v2"])
+def test_answer_align_to_words_matches_the_pipeline(hf_server, name):
+    """align_to_words (the default, unset in the request) widens the best span to the words transformers' tokenizer
+    gives the tokens; false keeps the token-exact span; the words never change which span is best."""
+    dirs, stub, _ = hf_server
+    widened = 0
+    for question, context in WORD_CASES:
+        for max_answer_len in (1, 3, 15):
+            kw = dict(model=name, question=question, context=context, top_k=1, max_answer_len=max_answer_len)
+            words = stub.Answer(pb.AnswerRequest(**kw), timeout=60).answers[0]
+            same = stub.Answer(pb.AnswerRequest(align_to_words=True, **kw), timeout=60).answers[0]
+            tokens = stub.Answer(pb.AnswerRequest(align_to_words=False, **kw), timeout=60).answers[0]
+            assert (same.start, same.end) == (words.start, words.end)
+            assert words.text == context[words.start:words.end] and words.text == words.text.strip()
+            assert (words.start, words.end) == _pipeline_words(dirs[name], question, context, max_answer_len)
+            assert (tokens.start, tokens.end) == _oracle_span(dirs[name], question, context, max_answer_len)
+            assert words.start <= tokens.start and tokens.end <= words.end
+            widened += (words.start, words.end) != (tokens.start, tokens.end)
+    assert widened  # some best spans ended or started mid-word, so the comparison means something
 
 
 def test_list_models_and_health(hf_server):

@@ -18,6 +18,13 @@ TOKENIZER_DIRS = ["unigram_tokenizer_dir", "spm_tokenizer_dir"]
 DEFAULTS = Path(__file__).resolve().parents[2] / "defaults"
 
 
+def load_v5(directory):
+    """Our tokenizer as transformers 5 builds it (the oracle of the tests that compare with AutoTokenizer): an
+    spm.model-only directory without the model's own normaliser (spm_normalization "transformers5"; the default
+    "spm" is checked against sentencepiece itself, tests/models/test_spm_normalization.py)."""
+    return load_tokenizer(directory, spm_normalization="transformers5")
+
+
 def _texts() -> list[str]:
     en = [r["text"] for r in jsonl("sentiment/dev.jsonl", 8)]
     de = [r["source"] for r in jsonl("translation/de_en_dev.jsonl", 8)]
@@ -42,14 +49,14 @@ def tok_dir(request):
 
 def test_special_ids_and_max_length(unigram_tokenizer_dir, spm_tokenizer_dir, hf_tokenizer):
     for d, max_len in ((unigram_tokenizer_dir, 512), (spm_tokenizer_dir, None)):
-        ours, hf = load_tokenizer(d), hf_tokenizer(d)
+        ours, hf = load_v5(d), hf_tokenizer(d)
         assert (ours.cls_token_id, ours.sep_token_id, ours.pad_token_id, ours.unk_token_id) == (1, 2, 0, 3)
         assert (hf.cls_token_id, hf.sep_token_id, hf.pad_token_id, hf.unk_token_id) == (1, 2, 0, 3)
         assert ours.model_max_length == max_len
 
 
 def test_ids_and_type_ids_match_transformers(tok_dir, hf_tokenizer):
-    ours, hf = load_tokenizer(tok_dir), hf_tokenizer(tok_dir)
+    ours, hf = load_v5(tok_dir), hf_tokenizer(tok_dir)
     texts = _texts()
     for t in texts:
         h = hf(t)
@@ -65,7 +72,7 @@ def test_ids_and_type_ids_match_transformers(tok_dir, hf_tokenizer):
 
 def test_offsets_match_transformers_after_trimming(tok_dir, hf_tokenizer):
     """Each token's characters equal transformers' offsets for the token, up to surrounding spaces."""
-    ours, hf = load_tokenizer(tok_dir), hf_tokenizer(tok_dir)
+    ours, hf = load_v5(tok_dir), hf_tokenizer(tok_dir)
     for t in _texts():
         ids, offs = ours.tokenize(t)
         h = hf(t, add_special_tokens=False, return_offsets_mapping=True)
@@ -82,7 +89,7 @@ def test_offsets_match_transformers_after_trimming(tok_dir, hf_tokenizer):
 
 @pytest.mark.parametrize("max_length", [6, 7, 12, 25])
 def test_longest_first_truncation_matches_transformers(tok_dir, hf_tokenizer, max_length):
-    ours, hf = load_tokenizer(tok_dir), hf_tokenizer(tok_dir)
+    ours, hf = load_v5(tok_dir), hf_tokenizer(tok_dir)
     a = "The Panthers defense gave up just 308 points, ranking sixth in the league."
     b = "How many points?"
     for x, y in ((a, b), (b, a), (a, a)):
@@ -106,7 +113,7 @@ def test_longest_first_lengths():
 
 @pytest.mark.parametrize("max_seq_len,doc_stride", [(48, 0), (64, 16), (96, 40)])
 def test_qa_windows_match_transformers_overflow(tok_dir, hf_tokenizer, max_seq_len, doc_stride):
-    ours, hf = load_tokenizer(tok_dir), hf_tokenizer(tok_dir)
+    ours, hf = load_v5(tok_dir), hf_tokenizer(tok_dir)
     row = qa_rows("xquad_en_dev.jsonl")[0]
     question, context = "Who won?", row["context"]
     windows = ours.qa_windows(question, context, max_seq_len, doc_stride)
@@ -174,11 +181,34 @@ def test_do_lower_case_spm(spm_tokenizer_dir, tmp_path):
     d.mkdir()
     (d / "spm.model").write_bytes((spm_tokenizer_dir / "spm.model").read_bytes())
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "do_lower_case": True}))
-    ours, hf = load_tokenizer(d), AutoTokenizer.from_pretrained(str(d))
+    ours, hf = load_v5(d), AutoTokenizer.from_pretrained(str(d))
     for t in ("The PANTHERS Defense", "Ärger İstanbul ΣΑΣ"):
         assert ours.encode(t).input_ids == hf(t)["input_ids"]
         ids, offs = ours.tokenize(t)
         assert all(0 <= s <= e <= len(t) for s, e in offs)
+
+
+def test_split_by_punct_transformers5_matches_transformers(spm_tokenizer_dir, tmp_path):
+    """split_by_punct with spm_normalization transformers5: transformers 5's Punctuation("isolated") pre-tokenizer
+    (each punctuation character a segment with its own prefix ▁), ids, pairs and offsets."""
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((spm_tokenizer_dir / "tokenizer_config.json").read_text())
+    d = tmp_path / "punct"
+    d.mkdir()
+    (d / "spm.model").write_bytes((spm_tokenizer_dir / "spm.model").read_bytes())
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "split_by_punct": True}))
+    ours, hf = load_v5(d), AutoTokenizer.from_pretrained(str(d))
+    texts = _texts() + ["Hello, world! It's 3.5 (really) -- isn't it?", "a , b", ", ,", "  x.y  ", ".start", "end."]
+    for t in texts:
+        assert ours.encode(t).input_ids == hf(t)["input_ids"], t
+        ids, offs = ours.tokenize(t)
+        assert all(0 <= s <= e <= len(t) for s, e in offs) and [s for s, _ in offs] == sorted(s for s, _ in offs)
+    assert ours.encode(texts[-6]).input_ids != load_v5(spm_tokenizer_dir).encode(texts[-6]).input_ids
+    for a, b in zip(texts[:6], texts[-6:]):
+        e, h = ours.encode(a, b), hf(a, b)
+        assert (e.input_ids, e.token_type_ids) == (h["input_ids"], h["token_type_ids"])
 
 
 def test_missing_files_raise(tmp_path):
@@ -240,11 +270,19 @@ def _full_encode(tok, a, b, max_length):
     return ids, n1 < len(ta) or n2 < len(tb)
 
 
-@pytest.fixture(params=["unigram_tokenizer_dir", "spm_tokenizer_dir", "defaults_sentiment", "bare_metaspace",
-                        "no_pre_tokenizer"])
+@pytest.fixture(params=["unigram_tokenizer_dir", "spm_tokenizer_dir", "spm_transformers5", "spm_punct",
+                        "spm_punct_transformers5", "defaults_sentiment", "bare_metaspace", "no_pre_tokenizer"])
 def any_tok(request, tmp_path_factory):
-    """The two fixture tokenizers, the default model's (NFKC), and two variants of the fixture tokenizer.json:
-    Metaspace without the whitespace-run replacement (SPACE_CUT) and no pre-tokenizer (no cut: whole texts)."""
+    """The two fixture tokenizers (the spm.model one with its own normaliser, as transformers 5 builds it, and both
+    with split_by_punct), the default model's (NFKC), and two variants of the fixture tokenizer.json: Metaspace
+    without the whitespace-run replacement (SPACE_CUT) and no pre-tokenizer (no cut: whole texts)."""
+    if request.param in ("spm_punct", "spm_punct_transformers5"):
+        src = request.getfixturevalue("spm_tokenizer_dir")
+        d = tmp_path_factory.mktemp(request.param)
+        (d / "spm.model").write_bytes((src / "spm.model").read_bytes())
+        cfg = json.loads((src / "tokenizer_config.json").read_text())
+        (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "split_by_punct": True}))
+        return load_v5(d) if request.param.endswith("transformers5") else load_tokenizer(d)
     if request.param == "defaults_sentiment":
         return load_tokenizer(DEFAULTS / "sentiment")
     if request.param in ("bare_metaspace", "no_pre_tokenizer"):
@@ -259,6 +297,8 @@ def any_tok(request, tmp_path_factory):
             spec["pre_tokenizer"] = None
         (d / "tokenizer.json").write_text(json.dumps(spec))
         return load_tokenizer(d)
+    if request.param == "spm_transformers5":
+        return load_v5(request.getfixturevalue("spm_tokenizer_dir"))
     return load_tokenizer(request.getfixturevalue(request.param))
 
 
@@ -266,7 +306,8 @@ def test_cut_patterns_chosen_per_pipeline(unigram_tokenizer_dir, spm_tokenizer_d
     from relserve.models.tokenization import SPACE_CUT, WORD_CUT, _cut_pattern_for
 
     assert load_tokenizer(unigram_tokenizer_dir).backend.cut_pattern is WORD_CUT
-    assert load_tokenizer(spm_tokenizer_dir).backend.cut_pattern is WORD_CUT
+    assert load_tokenizer(spm_tokenizer_dir).backend.cut_pattern is SPACE_CUT  # the model's own normaliser
+    assert load_v5(spm_tokenizer_dir).backend.cut_pattern is WORD_CUT
     spec = json.loads((unigram_tokenizer_dir / "tokenizer.json").read_text())
     assert _cut_pattern_for({**spec, "normalizer": {"type": "NFKC"}}) is SPACE_CUT
     assert _cut_pattern_for({**spec, "pre_tokenizer": None}) is None

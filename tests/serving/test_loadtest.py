@@ -1,20 +1,27 @@
-"""The load-test CLI against an in-process server with fake models (milliseconds per request): JSON + PNG
+"""The load-test CLI against an in-process server with fake models (milliseconds per request): JSON + PNG + CSV
 outputs, consistent counts, ordered percentiles, /metrics window deltas; sweep, soak, skip and error paths;
-the batcher's length_bucketing switch the padding benchmark relies on."""
+--data files, the text-pair scenario, --fail-if exit codes, fail-fast on unreachable servers and unknown
+models; the batcher's length_bucketing switch the padding benchmark relies on."""
 
 from __future__ import annotations
 
 import asyncio
+import csv
 import json
+import os
+import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
-from fixtures.fake_serving import runner, server_config
+from fixtures.fake_serving import FakeTokenizer, runner, server_config
 from relserve.loadtest import cli, promscrape, report
 from relserve.loadtest.generator import Records
-from relserve.loadtest.scenarios import Scenario, ScenarioUnavailable, mixed_length_texts, qa_pairs, sentences
+from relserve.loadtest.scenarios import (Scenario, ScenarioUnavailable, mixed_length_texts, qa_pairs,
+                                         question_sentence_pairs, sentences)
 from relserve.service.backends.base import TASK_QA
 from relserve.service.batcher import Batcher
 from relserve.service.server import InferenceServer
@@ -65,7 +72,8 @@ def _check_consistent(out: dict) -> None:
     assert out["errors"] == sum(out["errors_by_code"].values())
     lat = out["latency_ms"]
     if out["successes"]:
-        assert lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["p99.9"] <= lat["max"]
+        assert lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p95"] <= lat["p99"] <= lat["p99.9"] <= lat["max"]
+    assert out["error_rate"] == pytest.approx(out["errors"] / out["requests"] if out["requests"] else 0.0)
     assert sum(k["requests"] for k in out["by_kind"].values()) == out["requests"]
     assert out["throughput_rps"] > 0 or not out["successes"]
 
@@ -99,10 +107,11 @@ def test_closed_loop_mix_json_png_and_server_deltas(srv, tmp_path):
     assert server["rss_bytes_start"] > 0 and server["rss_bytes_end"] > 0
 
 
-def test_open_loop_errors_counted_by_code(srv, tmp_path):
+def test_open_loop_errors_counted_by_code(srv, tmp_path, capsys):
     rc, out = _cli(srv, tmp_path, "run", "--scenario", "classify", "--classify-model", "lt-broken", "--rate", "300",
                    "--requests", "40", "--no-plots")
-    assert rc == 0 and out["config"]["mode"] == "open"
+    assert rc == cli.EXIT_ALL_FAILED == 4 and out["config"]["mode"] == "open"  # results written all the same
+    assert "every one of the 40 requests failed" in capsys.readouterr().err
     assert out["requests"] == 40 and out["successes"] == 0
     assert out["errors_by_code"] == {"INTERNAL": 40}
     _check_consistent(out)
@@ -144,15 +153,36 @@ def test_soak_samples_rss(srv, tmp_path):
     assert out["server"]["rss_growth_bytes"] == out["server"]["rss_bytes_end"] - out["server"]["rss_bytes_start"]
 
 
-def test_unreachable_server_exits_1(tmp_path, capsys):
-    import socket
-
+def test_unreachable_server_exits_1_within_the_connect_timeout(tmp_path):
+    """The real ``python -m relserve.loadtest`` process; the subprocess timeout (well under the 30 s request
+    deadline) is only a guard against a hang."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    rc = cli.main(["run", "--target", f"127.0.0.1:{port}", "--metrics-url", "none", "--timeout", "1",
-                   "--requests", "3", "--out", str(tmp_path), "--no-progress"])
-    assert rc == 1 and "cannot reach" in capsys.readouterr().err
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-m", "relserve.loadtest", "run", "--target", f"127.0.0.1:{port}",
+                           "--metrics-url", "none", "--connect-timeout", "1", "--requests", "3", "--out",
+                           str(tmp_path), "--no-progress"], capture_output=True, text=True, timeout=25, env=env)
+    assert proc.returncode == 1, proc.stderr
+    assert f"cannot reach relserve at 127.0.0.1:{port}: no connection within 1 s" in proc.stderr
+    assert not list(tmp_path.iterdir())  # nothing ran, nothing written
+
+
+def test_unknown_model_fails_fast_listing_the_served_models(srv, tmp_path, capsys):
+    before = promscrape.scrape(srv.metrics_url)
+    rc, out = _cli(srv, tmp_path, "run", "--classify-model", "no-such-model", "--requests", "20")
+    err = capsys.readouterr().err
+    assert rc == 1 and out == {}
+    assert "'no-such-model': the server does not serve it" in err
+    for name in ("lt-sentiment (classification)", "lt-qa (question-answering)", "lt-broken (classification)"):
+        assert name in err
+    rc, _ = _cli(srv, tmp_path, "run", "--qa-model", "lt-sentiment", "--scenario", "qa", "--requests", "20")
+    assert rc == 1 and "'lt-sentiment' is a classification model, not question-answering" in capsys.readouterr().err
+    after = promscrape.scrape(srv.metrics_url)
+    # only the two ListModels calls reached the server (counted under task list_models); no inference request
+    assert after.get("relserve_requests_total") - before.get("relserve_requests_total") == 2
+    assert (after.get("relserve_requests_total", task="list_models")
+            - before.get("relserve_requests_total", task="list_models")) == 2
 
 
 def test_bad_arguments_exit_2():
@@ -245,3 +275,139 @@ def test_relserve_loadtest_subcommand_delegates(srv, tmp_path):
                         "lt-sentiment", "--requests", "5", "--concurrency", "1", "--out", str(tmp_path),
                         "--no-progress", "--no-plots"])
     assert rc == 0 and json.loads((tmp_path / "run-classify.json").read_text())["successes"] == 5
+
+
+# ---------------------------------------------------------------------- --data, pairs, CSV, --fail-if
+
+def _csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def _num(field: str) -> float | None:
+    return None if field == "" else float(field)
+
+
+def test_data_file_requests_reach_the_server_with_their_pairs(srv, tmp_path):
+    """Every --data row is 3 + 4 words: the fake tokenizer makes [CLS] 3 [SEP] 4 [SEP] = 10 tokens per request,
+    so the server's real-token count shows the pairs were sent (5 tokens each without them)."""
+    data = tmp_path / "pairs.jsonl"
+    rows = [{"id": i, "text": f"premise number {i}", "text_pair": f"the hypothesis is {i}", "label": "x"}
+            for i in range(5)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n", encoding="utf-8")
+    rc, out = _cli(srv, tmp_path, "run", "--classify-model", "lt-sentiment", "--data", str(data), "--concurrency",
+                   "3", "--requests", "30", "--no-plots")
+    assert rc == 0 and out["successes"] == 30
+    assert out["config"]["data_file"] == str(data) and out["config"]["data_requests"] == 5
+    m = out["server"]["models"]["lt-sentiment"]
+    assert m["sequences"] == 30 and m["real_tokens"] == 30 * 10
+
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text(json.dumps({"question": "who wins", "context": "good things win in the end"}) + "\n")
+    rc, out = _cli(srv, tmp_path, "run", "--scenario", "qa", "--qa-model", "lt-qa", "--data", str(qa),
+                   "--concurrency", "2", "--requests", "10", "--no-plots")
+    assert rc == 0 and out["successes"] == 10
+    # [CLS] 2 [SEP] 6 [SEP]: one window per question
+    assert out["server"]["models"]["lt-qa"]["real_tokens"] == 10 * 11
+
+
+def test_bad_data_file_exits_2_naming_the_line(srv, tmp_path, capsys):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"text": "fine"}\n\n{"text": 5}\n', encoding="utf-8")
+    with pytest.raises(SystemExit) as e:
+        _cli(srv, tmp_path, "run", "--data", str(data), "--requests", "3")
+    assert e.value.code == 2
+    assert f"--data {data}:3: field 'text' must be a non-blank string" in capsys.readouterr().err
+    data.write_text('{"question": "q"}\n', encoding="utf-8")
+    with pytest.raises(SystemExit) as e:
+        _cli(srv, tmp_path, "run", "--scenario", "qa", "--data", str(data), "--requests", "3")
+    assert e.value.code == 2 and "bad.jsonl:1: field 'context' is missing" in capsys.readouterr().err
+
+
+def test_text_pair_scenario(srv, tmp_path):
+    rc, out = _cli(srv, tmp_path, "run", "--scenario", "classify-pair", "--classify-model", "lt-sentiment",
+                   "--concurrency", "4", "--requests", "60", "--batch", "2", "--no-plots")
+    assert rc == 0 and out["successes"] == 60 and set(out["by_kind"]) == {"classify"}
+    _check_consistent(out)
+    m = out["server"]["models"]["lt-sentiment"]
+    assert m["sequences"] == 120  # two (question, sentence) pairs per request
+    # each request's real tokens lie between the fewest and most any batch of two pairs of the pool makes
+    tok = FakeTokenizer()
+    pairs = question_sentence_pairs()
+    per_request = [sum(len(tok.encode(q, s, max_length=64).input_ids) for q, s in pairs[i:i + 2])
+                   for i in range(0, len(pairs) - 1, 2)]
+    assert 60 * min(per_request) <= m["real_tokens"] <= 60 * max(per_request)
+    singles = [sum(len(tok.encode(q, max_length=64).input_ids) for q, _ in pairs[i:i + 2])
+               for i in range(0, len(pairs) - 1, 2)]
+    assert m["real_tokens"] > 60 * max(singles)  # the questions alone could not make that many tokens
+
+
+def test_csv_rows_match_the_json(srv, tmp_path):
+    rc, out = _cli(srv, tmp_path, "run", "--scenario", "mix", "--classify-model", "lt-sentiment", "--qa-model",
+                   "lt-qa", "--concurrency", "4", "--requests", "80", "--no-plots")
+    assert rc == 0
+    rows = _csv(tmp_path / "r.csv")
+    assert list(rows[0]) == list(report.CSV_COLUMNS)
+    assert [(r["kind"], r["model"]) for r in rows] == [("all", "lt-sentiment+lt-qa"), ("classify", "lt-sentiment"),
+                                                       ("qa", "lt-qa")]
+    for row, part in zip(rows, (out, out["by_kind"]["classify"], out["by_kind"]["qa"])):
+        assert row["command"] == "run" and row["scenario"] == "mix" and row["mode"] == "closed"
+        assert row["concurrency"] == "4" and row["rate"] == ""
+        assert int(row["requests"]) == part["requests"] and int(row["successes"]) == part["successes"]
+        assert float(row["throughput_rps"]) == part["throughput_rps"]
+        assert float(row["duration_s"]) == out["duration_s"]
+        for key in ("mean", "min", "p50", "p90", "p95", "p99", "p99.9", "max"):
+            assert _num(row[f"{key}_ms"]) == part["latency_ms"][key]
+    assert int(rows[1]["requests"]) + int(rows[2]["requests"]) == 80
+
+    csv_path = tmp_path / "elsewhere" / "one.csv"
+    rc, out = _cli(srv, tmp_path, "run", "--classify-model", "lt-broken", "--rate", "200", "--requests", "10",
+                   "--no-plots", "--csv", str(csv_path))
+    assert rc == 4
+    (row,) = _csv(csv_path)
+    assert (row["kind"], row["model"], row["mode"], row["rate"]) == ("classify", "lt-broken", "open", "200.0")
+    assert row["errors"] == "10" and row["error_rate"] == "1.0" and row["p95_ms"] == ""  # no successes
+
+
+def test_sweep_writes_one_csv_row_per_step(srv, tmp_path):
+    rc, out = _cli(srv, tmp_path, "sweep", "--classify-model", "lt-sentiment", "--rates", "20,40", "--step-duration",
+                   "0.5", "--slo-ms", "5000", "--no-plots")
+    assert rc == 0
+    rows = _csv(tmp_path / "r.csv")
+    assert [float(r["rate"]) for r in rows] == [20.0, 40.0]
+    for row, step in zip(rows, out["steps"]):
+        assert int(row["requests"]) == step["requests"] and _num(row["p95_ms"]) == step["latency_ms"]["p95"]
+
+
+def test_fail_if_thresholds_set_the_exit_code(srv, tmp_path, capsys):
+    base = ("run", "--classify-model", "lt-sentiment", "--concurrency", "2", "--requests", "30", "--no-plots")
+    rc, out = _cli(srv, tmp_path, *base, "--fail-if", "p99_ms>60000", "--fail-if", "error_rate>0.01")
+    captured = capsys.readouterr()
+    assert rc == 0 and out["successes"] == 30
+    assert "fail-if p99_ms>60000: ok" in captured.out and "fail-if error_rate>0.01: ok" in captured.out
+    assert "violated" not in captured.err
+
+    rc, out = _cli(srv, tmp_path, *base, "--fail-if", "p50_ms>=0", "--fail-if", "throughput_rps<1e9",
+                   "--fail-if", "errors>0")
+    err = capsys.readouterr().err
+    assert rc == cli.EXIT_THRESHOLD == 3 and out["successes"] == 30  # the report is written all the same
+    assert f"threshold violated: p50_ms>=0 (p50_ms = {out['latency_ms']['p50']:g})" in err
+    assert "threshold violated: throughput_rps<1e+09" in err
+    assert "errors>0" not in err
+
+    # subprocess: the process exit code itself
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-m", "relserve.loadtest", "run", "--target", srv.target, "--metrics-url",
+                           "none", "--classify-model", "lt-sentiment", "--requests", "10", "--concurrency", "1",
+                           "--no-progress", "--no-plots", "--out", str(tmp_path / "sub"), "--fail-if", "max_ms>=0"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 3 and "threshold violated: max_ms>=0" in proc.stderr, proc.stderr
+
+
+def test_bad_fail_if_exits_2_listing_the_metrics(capsys):
+    for expr in ("p98_ms>3", "p99_ms=>3", "p99_ms>fast"):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["run", "--fail-if", expr])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "--fail-if" in err and "p95_ms" in err and "error_rate" in err and "throughput_rps" in err

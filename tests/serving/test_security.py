@@ -244,7 +244,8 @@ def test_reflection_off_and_on():
         on.wait_serving()
         code, _ = _code(_list_services, off.channel)
         assert code == grpc.StatusCode.UNIMPLEMENTED
-        assert _list_services(on.channel) == ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
+        assert _list_services(on.channel) == ["grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+                                              "grpc.reflection.v1alpha.ServerReflection", "inference.GRPCInferenceService",
                                               "relserve.v1.Inference"]
         assert _classified(off.channel) == "positive"  # the rest is served as before
     finally:

@@ -97,3 +97,14 @@ def test_connection_flags_reach_the_config(tmp_path):
 def test_bad_connection_flag_exits_2(tmp_path, capsys):
     assert main(["serve", "--model", f"a={tmp_path}", "--max-connection-age", "-3"]) == 2
     assert "max_connection_age must be between 0 and" in capsys.readouterr().err
+
+
+def test_http_flags_reach_the_config(tmp_path):
+    from relserve.service.main import build_parser, config_from_args
+
+    args = build_parser().parse_args(["serve", "--model", f"a={tmp_path}", "--http-port", "8080",
+                                      "--http-host", "127.0.0.1"])
+    cfg = config_from_args(args)
+    assert (cfg.http_port, cfg.http_host) == (8080, "127.0.0.1")
+    plain = config_from_args(build_parser().parse_args(["serve", "--model", f"a={tmp_path}"]))
+    assert (plain.http_port, plain.http_host) == (None, None)

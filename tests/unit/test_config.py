@@ -90,6 +90,27 @@ def test_request_limit_keys(tmp_path):
     assert (m.max_request_texts, m.max_request_chars, m.max_qa_windows, m.doc_stride) == (8, 5000, 4, 62)
 
 
+def test_align_to_words_key(tmp_path):
+    assert load_config(model_specs=[f"a={tmp_path}"]).model("a").align_to_words is True  # the pipeline's default
+    assert load_config(model_specs=[f"a={tmp_path},align_to_words=false"]).model("a").align_to_words is False
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"models:\n  - name: a\n    path: {tmp_path}\n    align_to_words: false\n")
+    assert load_config(cfg).model("a").align_to_words is False
+
+
+def test_spm_normalization_key(tmp_path):
+    from relserve.models.tokenization import SPM_NORMALIZATIONS as TOKENIZER_CHOICES
+    from relserve.service.config import SPM_NORMALIZATIONS
+
+    assert SPM_NORMALIZATIONS == TOKENIZER_CHOICES  # config keeps its own copy (it must not import models/)
+    assert load_config(model_specs=[f"a={tmp_path}"]).model("a").spm_normalization == "spm"
+    m = load_config(model_specs=[f"a={tmp_path},spm_normalization=transformers5"]).model("a")
+    assert m.spm_normalization == "transformers5"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"models:\n  - name: a\n    path: {tmp_path}\n    spm_normalization: transformers5\n")
+    assert load_config(cfg).model("a").spm_normalization == "transformers5"
+
+
 def test_translation_keys(tmp_path):
     m = load_config(model_specs=[f"de-en={tmp_path},scheduling=request,max_active_hypotheses=64"]).model("de-en")
     assert (m.scheduling, m.max_active_hypotheses, m.beam_size, m.max_source_tokens) == ("request", 64, 5, 256)
@@ -120,6 +141,8 @@ def test_translation_keys(tmp_path):
     ("a={d},max_request_chars=0", "max_request_chars must be >= 1"),
     ("a={d},max_qa_windows=0", "max_qa_windows must be >= 1"),
     ("a={d},max_qa_windows=many", "max_qa_windows must be an integer"),
+    ("a={d},align_to_words=maybe", "align_to_words must be true or false, got 'maybe'"),
+    ("a={d},spm_normalization=nfkc", "spm_normalization 'nfkc' is not one of ['spm', 'transformers5']"),
     ("a={d},max_seq_len=128,doc_stride=63", "doc_stride 63 is over the limit of 62 tokens for max_seq_len 128"),
 ])
 def test_config_errors_are_clear(tmp_path, spec, fragment):
@@ -340,3 +363,30 @@ def test_compute_scheduling_flag(tmp_path):
     assert config_from_args(args).compute_scheduling == "shared"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--compute-scheduling", "sometimes"])
+
+
+def test_http_api_keys(tmp_path):
+    cfg_file = tmp_path / "relserve.yaml"
+    cfg_file.write_text(f"http_port: 8080\nhttp_host: 127.0.0.1\nmodels: [{{name: a, path: {tmp_path}}}]\n")
+    cfg = load_config(cfg_file)
+    assert (cfg.http_port, cfg.http_host) == (8080, "127.0.0.1")
+    assert load_config(cfg_file, overrides={"http_port": 9090}).http_port == 9090  # --http-port wins
+    plain = load_config(model_specs=[f"a={tmp_path}"])
+    assert (plain.http_port, plain.http_host) == (None, None)  # off by default
+    assert load_config(overrides={"http_port": 8080, "http_host": "::1", "port": 8080},
+                       model_specs=[f"a={tmp_path}"]).http_port == 8080  # another address: no clash
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"http_port": 70000}, "http_port must be between 0 and 65535"),
+    ({"http_port": -1}, "http_port must be between 0 and 65535"),
+    ({"http_port": 50051}, "http_port 50051 is already the gRPC, the metrics or the health port"),
+    ({"http_port": 8002}, "http_port 8002 is already the gRPC, the metrics or the health port"),
+    ({"http_port": 8081, "health_port": 8081}, "http_port 8081 is already"),
+    ({"http_port": "eighty"}, "http_port"),
+    ({"http_host": " "}, "http_host is empty"),
+])
+def test_http_api_config_errors_are_clear(tmp_path, overrides, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=overrides, model_specs=[f"a={tmp_path}"])
+    assert fragment in str(err.value)

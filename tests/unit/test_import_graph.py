@@ -270,7 +270,8 @@ def test_product_code_imports_no_test_code():
 # backend is created
 NO_TORCH_AT_IMPORT = [f"relserve.service.{n}" for n in SCHEDULING_AND_API] + [
     "relserve.service.runner", "relserve.service.metrics", "relserve.service.server", "relserve.service.main",
-    "relserve.service.backends", "relserve.service.translation",
+    "relserve.service.backends", "relserve.service.translation", "relserve.service.http_api",
+    "relserve.service.api_v2", "relserve.service.oip",
 ]
 
 

@@ -305,3 +305,139 @@ def test_answer_limits_doc_stride_and_default_flag():
     with pytest.raises(InvalidArgument, match=r"has 9 characters; model 'qa' .* \(max_request_chars\)"):
         qa.validate_answer("what", "ctxxx", doc_stride=0, max_chars=8, model="qa", **common)
 
+
+
+# ---- scores as transformers' text-classification pipeline (issue 13 item 4) -----------------------------
+
+
+def test_classify_default_function_as_the_pipeline():
+    # TextClassificationPipeline.postprocess: regression -> none; multi-label or one label -> sigmoid (checked
+    # before single_label_classification); single-label or several labels -> softmax; else none
+    assert classify.default_function(None, 1) == "sigmoid"  # DeBERTa-v3 cross-encoder rerankers
+    assert classify.default_function("regression", 1) == "none"
+    assert classify.default_function("multi_label_classification", 3) == "sigmoid"
+    assert classify.default_function("single_label_classification", 1) == "sigmoid"
+    assert classify.default_function("single_label_classification", 3) == "softmax"
+    assert classify.default_function(None, 3) == "softmax"
+    assert classify.default_function(None, 0) == "none"
+
+
+def test_classify_one_label_regression_and_override():
+    sigmoid = 1 / (1 + math.exp(-0.79))
+    assert sigmoid == pytest.approx(0.688, abs=5e-4)
+    assert classify.postprocess(np.array([0.79]), None, None, 0) == [("LABEL_0", pytest.approx(sigmoid))]
+    assert classify.postprocess(np.array([-2.5]), None, "regression", 0) == [("LABEL_0", -2.5)]
+    logits = np.array([1.0, 3.0, -2.0])
+    labels = {0: "a", 1: "b", 2: "c"}
+    soft = classify.postprocess(logits, labels, "multi_label_classification", 0, "softmax")
+    assert [l for l, _ in soft] == ["b", "a", "c"] and sum(s for _, s in soft) == pytest.approx(1.0)
+    assert classify.postprocess(logits, labels, None, 0, "none") == [("b", 3.0), ("a", 1.0), ("c", -2.0)]
+    sig = classify.postprocess(logits, labels, None, 2, "sigmoid")
+    assert sig == [("b", pytest.approx(1 / (1 + math.exp(-3)))), ("a", pytest.approx(1 / (1 + math.exp(-1))))]
+    assert classify.postprocess(np.array([0.5]), None, "regression", 0, "sigmoid")[0][1] == pytest.approx(
+        1 / (1 + math.exp(-0.5)))
+
+
+def test_classify_function_to_apply_validation():
+    assert classify.validate_function("") is None
+    assert classify.validate_function("SoftMax") == "softmax"  # case-insensitive, as the pipeline's enum lookup
+    assert [classify.validate_function(f) for f in classify.FUNCTIONS] == ["softmax", "sigmoid", "none"]
+    with pytest.raises(InvalidArgument, match=r"^function_to_apply 'relu' is not one of softmax, sigmoid, none"):
+        classify.validate_function("relu")
+
+
+# ---- QA align_to_words (issue 13 item 10) ----------------------------------------------------------------
+
+
+def test_word_span_widens_to_whitespace_delimited_words():
+    ctx = "Berlin is the capital of Germany.\nIt is\tlarge,  10\u00a0km across \u00a0ok"
+    g = ctx.index("Germany")
+    assert ctx[slice(*qa_spans.word_span(ctx, g, g + 3))] == "Germany."  # not "Ger"
+    assert ctx[slice(*qa_spans.word_span(ctx, g + 2, g + 4))] == "Germany."
+    assert ctx[slice(*qa_spans.word_span(ctx, 2, ctx.index("capital") + 1))] == "Berlin is the capital"
+    i = ctx.index("It")
+    assert ctx[slice(*qa_spans.word_span(ctx, i, i + 1))] == "It"  # a line break ends the word before it
+    assert ctx[slice(*qa_spans.word_span(ctx, i + 4, i + 5))] == "is"  # a tab
+    assert ctx[slice(*qa_spans.word_span(ctx, ctx.index("large"), ctx.index("large") + 1))] == "large,"
+    # a lone no-break space stays inside its word (DeBERTa's normalizer only replaces runs of two or more)
+    assert ctx[slice(*qa_spans.word_span(ctx, ctx.index("km"), ctx.index("km") + 1))] == "10\u00a0km"
+    assert ctx[slice(*qa_spans.word_span(ctx, len(ctx) - 1, len(ctx)))] == "ok"  # " \u00a0" is a run: a break
+    assert qa_spans.word_span(ctx, 0, 1) == (0, len("Berlin"))
+
+
+def _mid_word_token(w, context):
+    """A context token of window ``w`` that starts inside a word (a piece after the first of a word)."""
+    for i, o in enumerate(w.context_offsets):
+        if o is None:
+            continue
+        s, e = qa_spans.trim_span(context, *o)
+        if e > s and s > 0 and not context[s - 1].isspace():
+            return i, (s, e)
+    raise AssertionError("no mid-word token")
+
+
+def test_align_to_words_widens_answers_and_merges_them(tok):
+    context = "Washington is the capital of the United States and has many museums along the Mall."
+    windows = tok.qa_windows("Which city?", context, 64, 16)
+    (w,) = windows
+    i, (s0, e0) = _mid_word_token(w, context)
+    s, e = _logits(windows, start=(0, i), end=(0, i), high=30.0)
+    (tokens,) = qa_spans.best_answers(windows, s, e, context)
+    assert (tokens.start, tokens.end) == (s0, e0)  # token-exact: mid-word
+    (words,) = qa_spans.best_answers(windows, s, e, context, align_to_words=True)
+    ws, we = qa_spans.word_span(context, s0, e0)
+    assert (words.start, words.end) == (ws, we) and words.text == context[ws:we] and words.text.strip() == words.text
+    assert ws < s0 and (ws == 0 or context[ws - 1] == " ") and (we == len(context) or context[we] == " ")
+    # token spans inside one word become one answer: the top answers are distinct whole words
+    answers = qa_spans.best_answers(windows, s, e, context, top_k=5, align_to_words=True)
+    assert len({(a.start, a.end) for a in answers}) == len(answers)
+    for a in answers:
+        assert (a.start, a.end) == qa_spans.word_span(context, a.start, a.end)
+    _check_well_formed(answers, context)
+
+
+def test_cases_C04_C07_hold_with_align_to_words(tok):
+    context = "The capital  is \u00a0Berlin\u200b , not Bonn.\n\n My name is <NAME> and I live in Berlin"
+    windows = tok.qa_windows("test finding", context, 64, 16)
+    for seed in range(20):
+        s, e = _logits(windows, seed=seed)
+        s = [x * 10 for x in s]
+        e = [x * 10 for x in e]
+        for allow in (False, True):
+            answers = qa_spans.best_answers(windows, s, e, context, top_k=3, allow_impossible=allow,
+                                            align_to_words=True)
+            _check_well_formed(answers, context)  # substrings of the context, trimmed (C04, C07)
+            for a in answers:
+                if not a.is_impossible:
+                    assert (a.start, a.end) == qa_spans.word_span(context, a.start, a.end)
+
+
+def test_answer_align_to_words_option():
+    common = dict(top_k=0, max_answer_len=0, allow_impossible=False, null_threshold=None, max_seq_len=128,
+                  default_max_answer_len=30, default_doc_stride=32, doc_stride=0)
+    assert qa.validate_answer("q", "c", **common).align_to_words is True  # the pipeline's default
+    assert qa.validate_answer("q", "c", default_align_to_words=False, **common).align_to_words is False
+    assert qa.validate_answer("q", "c", align_to_words=False, **common).align_to_words is False
+    assert qa.validate_answer("q", "c", align_to_words=True, default_align_to_words=False, **common).align_to_words
+
+
+WORD_CONTEXTS = ["Berlin is the capital of Germany.", "10\u00a0km across \u00a0ok", "a\u3000b c\u2009d", "x\u200by  z\n\nw",
+                 "Die Broncos\tdefeated 24\u201310,\nearning", "丹佛野马队以24比10击败了卡罗莱纳黑豹队，赢得了第50届超级碗。"]
+
+
+@pytest.mark.parametrize("tok_dir", TOKENIZER_DIRS)
+def test_word_span_is_the_words_transformers_tokenizer_gives(request, hf_tokenizer, tok_dir):
+    """For every context token, word_span equals the pipeline's word_to_chars(token_to_word(token)) on
+    transformers' tokenizer for the same files (trimmed, C07)."""
+    hf = hf_tokenizer(request.getfixturevalue(tok_dir))
+    for ctx in WORD_CONTEXTS:
+        enc = hf("q", ctx, return_offsets_mapping=True)
+        checked = 0
+        for t, sid in enumerate(enc.sequence_ids()):
+            s, e = qa_spans.trim_span(ctx, *enc["offset_mapping"][t]) if sid == 1 else (0, 0)
+            if e <= s:
+                continue
+            hs, he = enc.word_to_chars(enc.token_to_word(t), sequence_index=1)
+            assert qa_spans.word_span(ctx, s, e) == qa_spans.trim_span(ctx, hs, he), (ctx, ctx[s:e])
+            checked += 1
+        assert checked

@@ -1,0 +1,270 @@
+"""``relserve.client``: a thin blocking client for the relserve.v1 Inference API.
+
+Importing it loads grpcio, protobuf and the generated relserve.v1 stubs only (no torch, numpy or tokenizer
+libraries; tests/serving/test_client.py checks it in a fresh interpreter), so applications that only call
+the server need not install what the server runs on. Modelled on the Triton and TEI Python clients: one
+object per server holding one channel, one method per RPC, keyword options named as the request fields.
+
+Example::
+
+    from relserve.client import Client, ClientError
+
+    with Client("127.0.0.1:50051", timeout=10) as client:
+        reply = client.classify("sentiment", ["A gripping, beautifully shot film."])
+        print(reply.results[0].labels[0].label)
+
+Replies are the RPC's protobuf reply messages (``ClassifyResponse``, ``AnswerResponse``,
+``TranslateResponse``, ``TranslateStreamResponse``, ``ListModelsResponse``; fields as documented in
+proto/relserve/v1/inference.proto), not copies: the schema lives in one place. Every failed call raises
+:class:`ClientError` carrying the gRPC status code and the server's message.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import grpc
+
+from relserve.service._proto import inference_pb2 as pb
+from relserve.service._proto import inference_pb2_grpc as pb_grpc
+
+__all__ = ["Client", "ClientError", "pb"]
+
+Pem = bytes | str | os.PathLike
+# The method relserve's server checks (service/auth.py): gRPC metadata ``authorization: Bearer <token>``.
+_AUTH_KEY = "authorization"
+
+
+class ClientError(Exception):
+    """A call that ended with a non-OK gRPC status (raised from the ``grpc.RpcError``, kept as ``__cause__``).
+
+    Attributes:
+        code: the :class:`grpc.StatusCode`, e.g. ``INVALID_ARGUMENT`` (bad input; the message names the field
+            or limit), ``NOT_FOUND`` (unknown model), ``FAILED_PRECONDITION`` (wrong task for the model),
+            ``RESOURCE_EXHAUSTED`` (queue full), ``DEADLINE_EXCEEDED``, ``UNAVAILABLE`` (not ready, draining,
+            or not reachable), ``UNAUTHENTICATED`` (token missing or wrong).
+        details: the status message.
+        trailing_metadata: the call's trailers as ``(key, value)`` pairs (e.g. ``retry-after-ms`` with a
+            queue-full refusal).
+    """
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: tuple = ()) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+        self.trailing_metadata = tuple(trailing_metadata)
+
+    @classmethod
+    def from_rpc_error(cls, err: grpc.RpcError) -> "ClientError":
+        """The :class:`ClientError` for a failed call (``UNKNOWN`` when grpc gives no status)."""
+        code = err.code() if hasattr(err, "code") else None
+        details = err.details() if hasattr(err, "details") else None
+        trailers = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+        return cls(code or grpc.StatusCode.UNKNOWN, details or str(err), tuple(trailers or ()))
+
+
+def _pem(value: Pem | None, name: str) -> bytes | None:
+    """PEM bytes as given, or read from a path."""
+    if value is None or isinstance(value, bytes):
+        return value
+    try:
+        return Path(value).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{name}: cannot read {str(value)!r}: {exc.strerror or exc}") from None
+
+
+def _texts(value: str | Sequence[str]) -> list[str]:
+    """A list of texts; a lone string is one text (not a sequence of characters)."""
+    return [value] if isinstance(value, str) else list(value)
+
+
+class Client:
+    """A connection to one relserve server (one gRPC channel; thread-safe, reuse it).
+
+    Args:
+        target: ``host:port`` (any gRPC target, e.g. ``dns:///relserve:50051``).
+        tls: use TLS. Implied when ``root_certificates`` or ``client_cert`` is given.
+        root_certificates: PEM bytes or a path of the CA that signed the server's certificate; None means the
+            system's trust store.
+        client_cert, client_key: PEM bytes or paths of the client certificate and its key, for servers with
+            ``tls_client_ca`` (mTLS); both or neither.
+        token: bearer token, sent as ``authorization: Bearer <token>`` metadata on every call (server key
+            ``auth_token_file``). Sent over plaintext too if ``tls`` is off: use TLS where the network is not
+            trusted.
+        timeout: default deadline of each call in seconds (None: no deadline); each method's ``timeout``
+            overrides it. For ``translate_stream`` it bounds the whole stream.
+        options: extra gRPC channel arguments, e.g. ``[("grpc.service_config", json_text)]`` for the retry
+            policy in deploy/client/service_config.json, or ``("grpc.ssl_target_name_override", name)``.
+
+    Raises:
+        ValueError: only one of ``client_cert`` / ``client_key``, or a PEM file that cannot be read.
+
+    Use as a context manager (or call :meth:`close`) so the channel is closed.
+    """
+
+    def __init__(self, target: str, *, tls: bool = False, root_certificates: Pem | None = None,
+                 client_cert: Pem | None = None, client_key: Pem | None = None, token: str | None = None,
+                 timeout: float | None = None, options: Sequence[tuple[str, Any]] = ()) -> None:
+        if (client_cert is None) != (client_key is None):
+            raise ValueError("client_cert and client_key go together (mTLS needs both)")
+        self.target = target
+        self.timeout = timeout
+        self._metadata = ((_AUTH_KEY, f"Bearer {token}"),) if token else None
+        if tls or root_certificates is not None or client_cert is not None:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=_pem(root_certificates, "root_certificates"),
+                private_key=_pem(client_key, "client_key"),
+                certificate_chain=_pem(client_cert, "client_cert"))
+            self.channel = grpc.secure_channel(target, credentials, options=list(options))
+        else:
+            self.channel = grpc.insecure_channel(target, options=list(options))
+        self._stub = pb_grpc.InferenceStub(self.channel)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the channel; calls in flight are cancelled."""
+        self.channel.close()
+
+    def _call(self, method, request, timeout: float | None):
+        try:
+            return method(request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise ClientError.from_rpc_error(err) from err
+
+    # ------------------------------------------------------------------ RPCs
+
+    def list_models(self, *, timeout: float | None = None) -> pb.ListModelsResponse:
+        """The models the server has loaded (``models``: name, task, backend, device, dtype, limits, labels).
+
+        Raises:
+            ClientError: the call failed (e.g. UNAVAILABLE: server not reachable).
+        """
+        return self._call(self._stub.ListModels, pb.ListModelsRequest(), timeout)
+
+    def classify(self, model: str, texts: str | Sequence[str], text_pairs: Sequence[str] | None = None, *,
+                 top_k: int = 0, function_to_apply: str | None = None,
+                 timeout: float | None = None) -> pb.ClassifyResponse:
+        """Classify texts (or text pairs, NLI-style): ``results[i].labels`` for ``texts[i]``, best first.
+
+        Args:
+            model: a classification model's name.
+            texts: the texts (a single string is one text).
+            text_pairs: second segments, one per text.
+            top_k: labels per text; 0 returns all.
+            function_to_apply: "softmax" | "sigmoid" | "none" (scores are then logits); None leaves the
+                request field unset, i.e. the model's default.
+            timeout: deadline in seconds for this call (default: the client's).
+
+        Raises:
+            ClientError: INVALID_ARGUMENT (empty or too many texts, pairs not one per text, top_k over the
+                label count, ...), NOT_FOUND, FAILED_PRECONDITION, DEADLINE_EXCEEDED, ...
+        """
+        request = pb.ClassifyRequest(model=model, texts=_texts(texts), top_k=top_k)
+        if text_pairs is not None:
+            request.text_pairs.extend(_texts(text_pairs))
+        if function_to_apply is not None:
+            request.function_to_apply = function_to_apply
+        return self._call(self._stub.Classify, request, timeout)
+
+    def answer(self, model: str, question: str, context: str, *, top_k: int = 0, max_answer_len: int = 0,
+               doc_stride: int = 0, allow_impossible: bool = False, null_threshold: float | None = None,
+               align_to_words: bool | None = None, timeout: float | None = None) -> pb.AnswerResponse:
+        """Extractive question answering: ``answers`` best first, ``text == context[start:end]`` (code points).
+
+        Args:
+            model: a question-answering model's name.
+            question, context: the question and the text to find the answer in (any length: the server
+                splits it into windows).
+            top_k: answers returned; 0 means 1.
+            max_answer_len: longest answer in tokens; 0 means the server's default (30).
+            doc_stride: token overlap between windows; 0 means the model's default.
+            allow_impossible: allow the no-answer result (SQuAD 2.0).
+            null_threshold: no answer when null score - best span score exceeds it (logits); None leaves it
+                unset (0.0).
+            align_to_words: snap spans to whole words; None leaves the field unset (the model's default).
+            timeout: deadline in seconds for this call (default: the client's).
+
+        Raises:
+            ClientError: INVALID_ARGUMENT (empty question or context, doc_stride over the limit, too many
+                windows or characters; the message names it), NOT_FOUND, FAILED_PRECONDITION, ...
+        """
+        request = pb.AnswerRequest(model=model, question=question, context=context, top_k=top_k,
+                                   max_answer_len=max_answer_len, doc_stride=doc_stride,
+                                   allow_impossible=allow_impossible)
+        if null_threshold is not None:
+            request.null_threshold = null_threshold
+        if align_to_words is not None:
+            request.align_to_words = align_to_words
+        return self._call(self._stub.Answer, request, timeout)
+
+    def translate(self, model: str, texts: str | Sequence[str], *, beam_size: int = 0, n_best: int = 0,
+                  max_length: int = 0, return_alignment: bool = False,
+                  timeout: float | None = None) -> pb.TranslateResponse:
+        """Translate texts: ``results[i].hypotheses`` (n-best, best first) for ``texts[i]``.
+
+        Args:
+            model: a translation model's name.
+            texts: the source texts (a single string is one text).
+            beam_size: 1..16; 0 means the model's default (5). 1 is greedy.
+            n_best: hypotheses per text, 1..beam_size; 0 means 1.
+            max_length: output tokens per hypothesis (EOS included); 0 means the server's length formula.
+            return_alignment: attach each hypothesis's attention weights.
+            timeout: deadline in seconds for this call (default: the client's).
+
+        Raises:
+            ClientError: INVALID_ARGUMENT (out-of-range options, a source over max_source_tokens, ...),
+                NOT_FOUND, FAILED_PRECONDITION, DEADLINE_EXCEEDED, ...
+        """
+        request = pb.TranslateRequest(model=model, texts=_texts(texts), beam_size=beam_size,
+                                      n_best=n_best, max_length=max_length, return_alignment=return_alignment)
+        return self._call(self._stub.Translate, request, timeout)
+
+    def translate_stream(self, model: str, text: str, *, beam_size: int = 0, n_best: int = 0,
+                         max_length: int = 0, return_alignment: bool = False,
+                         timeout: float | None = None) -> Iterator[pb.TranslateStreamResponse]:
+        """Translate one text, yielding the best hypothesis so far after each decoder step; the last message
+        has ``final`` set and ``result`` holding what :meth:`translate` returns for the text.
+
+        Options as :meth:`translate`; ``timeout`` bounds the whole stream. Leaving the loop early (``break``,
+        an exception, or dropping the iterator) cancels the call, so the server stops decoding.
+
+        Raises:
+            ClientError: while iterating, as :meth:`translate`.
+        """
+        request = pb.TranslateStreamRequest(model=model, text=text, beam_size=beam_size, n_best=n_best,
+                                            max_length=max_length, return_alignment=return_alignment)
+        return self._stream(request, timeout)
+
+    def _stream(self, request, timeout: float | None) -> Iterator[pb.TranslateStreamResponse]:
+        # A generator, so that the call starts only when iterated and errors surface as ClientError there.
+        call = self._stub.TranslateStream(request, timeout=self.timeout if timeout is None else timeout,
+                                          metadata=self._metadata)
+        try:
+            yield from call
+        except grpc.RpcError as err:
+            raise ClientError.from_rpc_error(err) from err
+        finally:
+            call.cancel()  # no-op once the stream has ended; stops the server's work when left early
+
+    def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        """The grpc.health.v1 status of ``service`` ("" = the whole server): "SERVING", "NOT_SERVING", ...
+
+        Needs the ``grpcio-health-checking`` package (imported here only, so importing this module does not).
+
+        Raises:
+            ClientError: the call failed (NOT_FOUND for an unknown service name).
+        """
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        reply = self._call(health_pb2_grpc.HealthStub(self.channel).Check,
+                           health_pb2.HealthCheckRequest(service=service), timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
