@@ -114,6 +114,17 @@ def _rpc(task: str) -> Callable:
             t0 = time.monotonic()
             scope = _Scope(task)
             code = "OK"
+            recorded = False
+
+            def record() -> None:
+                nonlocal recorded
+                if recorded:
+                    return
+                recorded = True
+                if scope.inflight:
+                    metrics.inflight(scope.model, -1)
+                metrics.observe_request(scope.model, scope.task, code, time.monotonic() - t0)
+
             try:
                 if isinstance(request, MalformedRequest):
                     _malformed_log.note(request)
@@ -143,11 +154,12 @@ def _rpc(task: str) -> Callable:
                 retry_after_s = getattr(exc, "retry_after_s", None)
                 if retry_after_s is not None:  # a full queue: when to retry (gRFC A6; clients' retryPolicy honours it)
                     context.set_trailing_metadata(((PUSHBACK_TRAILER, pushback_ms(retry_after_s)),))
+                # Recorded before the status leaves: a client that reads /metrics right after its error must
+                # find it counted (abort sends the status, then the finally would run later).
+                record()
                 await context.abort(status, details)
             finally:
-                if scope.inflight:
-                    metrics.inflight(scope.model, -1)
-                metrics.observe_request(scope.model, scope.task, code, time.monotonic() - t0)
+                record()
 
         wrapper.task = task  # the metrics label, also for calls refused before the handler runs (auth)
         return wrapper
