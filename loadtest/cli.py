@@ -10,13 +10,17 @@
 Common flags: ``--target host:port`` (default 127.0.0.1:50051), ``--metrics-url`` (default
 ``http://<target host>:8002/metrics``; ``none`` disables), ``--out DIR`` (default ``loadtest-results``),
 ``--data FILE.jsonl`` (the user's own requests, :func:`scenarios.load_requests`), ``--connect-timeout`` (default
-5 s). Each command writes ``DIR/<name>.json``, ``DIR/<name>.csv`` (or ``--csv PATH``; columns
-:data:`report.CSV_COLUMNS`) and PNG plots beside them (``<name>-latency.png``, ``<name>-timeline.png``;
-``<name>-sweep.png`` for sweeps); ``<name>`` defaults to ``<command>-<scenario>``. ``run`` and ``soak`` take
-``--fail-if METRIC OP NUMBER`` (repeatable; :mod:`thresholds`).
+5 s), ``--tls`` / ``--tls-ca PEM`` (TLS; a CA implies it), ``--tls-cert PEM --tls-key PEM`` (mTLS client
+certificate), ``--tls-server-name NAME``, ``--token TOKEN`` / ``--token-file PATH`` (sent as ``authorization:
+Bearer <token>`` on every call, ListModels included, as service/auth.py expects). Each command writes
+``DIR/<name>.json``, ``DIR/<name>.csv`` (or ``--csv PATH``; columns :data:`report.CSV_COLUMNS`) and PNG plots
+beside them (``<name>-latency.png``, ``<name>-timeline.png``; ``<name>-sweep.png`` for sweeps); ``<name>``
+defaults to ``<command>-<scenario>``. ``run`` and ``soak`` take ``--fail-if METRIC OP NUMBER`` (repeatable;
+:mod:`thresholds`).
 
 Before any request is sent the server must accept a connection and answer ListModels within
-``--connect-timeout``, and every model named with ``--*-model`` must be one it serves for that task.
+``--connect-timeout`` (over TLS and with the token when given; UNAUTHENTICATED names ``--token``), and every
+model named with ``--*-model`` must be one it serves for that task.
 
 Exit codes: 0 done (request errors are results; a scenario the server has no model for, e.g. ``translate``
 without a translation model, is skipped with a message), 1 nothing sent: the server could not be reached or
@@ -70,6 +74,7 @@ class LoadSpec:
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT  # connect + ListModels before the run
     data: list[dict[str, str]] | None = None  # --data rows (scenarios.load_requests) instead of committed texts
     data_file: str | None = None
+    security: generator.Security = field(default_factory=generator.Security)  # TLS / token (--tls*, --token)
 
     @property
     def mode(self) -> str:
@@ -95,6 +100,8 @@ class RunResult:
                 "batch": s.batch, "timeout_s": s.timeout, "warmup": s.warmup, "seed": s.seed,
                 "metrics_url": s.metrics_url, "models": self.models, "data_file": s.data_file,
                 "data_requests": len(s.data) if s.data is not None else None,
+                "tls": s.security.uses_tls, "mtls": s.security.client_cert is not None,
+                "token": s.security.token is not None,  # whether one was sent, never the token
             },
             "started_at": self.records.started_at,
         }
@@ -163,23 +170,35 @@ class _Progress:
             self.bar.close()
 
 
-async def connect(ch: grpc.aio.Channel, target: str, timeout: float) -> list[Any]:
-    """Wait up to ``timeout`` s for the channel to connect, then ListModels with the same deadline.
+async def connect(ch: grpc.aio.Channel, target: str, timeout: float,
+                  security: generator.Security | None = None) -> list[Any]:
+    """Wait up to ``timeout`` s for the channel to connect, then ListModels with the same deadline (and the
+    bearer token of ``security``, if any).
 
     Raises:
-        ConnectionError: no connection within ``timeout`` (nothing listening, wrong address, a TLS-only
-            server), or ListModels failed; the message says which.
+        ConnectionError: no connection within ``timeout`` (nothing listening, wrong address, TLS on one side
+            only, a certificate not trusted either way), or ListModels failed (UNAUTHENTICATED: no or a wrong
+            token); the message says which and names the flags that fix it.
     """
+    security = security or generator.Security()
     try:
         await asyncio.wait_for(ch.channel_ready(), timeout)
     except TimeoutError:
+        how = ("over TLS: does the server use TLS, does --tls-ca sign its certificate, and does it want a client "
+               "certificate (--tls-cert/--tls-key)?" if security.uses_tls else
+               "in plaintext: does the server use TLS (--tls-ca, --tls-cert/--tls-key)?")
         raise ConnectionError(f"cannot reach relserve at {target}: no connection within {timeout:g} s "
-                              "(--connect-timeout); is the server running and listening there?") from None
+                              f"(--connect-timeout); is the server running and listening there? Tried {how}") from None
     try:
-        return await generator.list_models(ch, timeout=timeout)
+        return await generator.list_models(ch, timeout=timeout, metadata=security.metadata)
     except grpc.aio.AioRpcError as exc:
-        raise ConnectionError(f"relserve at {target} did not answer ListModels within {timeout:g} s: "
-                              f"{exc.code().name}: {exc.details()}") from None
+        hint = ""
+        if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+            hint = (" (the token given with --token/--token-file was refused)" if security.token is not None else
+                    " (the server wants a bearer token: pass --token TOKEN or --token-file PATH)")
+        what = (f"did not answer ListModels within {timeout:g} s" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                else "refused ListModels")
+        raise ConnectionError(f"relserve at {target} {what}: {exc.code().name}: {exc.details()}{hint}") from None
 
 
 async def run_load(spec: LoadSpec) -> RunResult:
@@ -195,9 +214,10 @@ async def run_load(spec: LoadSpec) -> RunResult:
         raise ValueError("give exactly one of rate (open loop) and concurrency (closed loop)")
     if spec.requests is None and spec.duration is None:
         raise ValueError("bound the run with requests and/or duration")
-    ch = generator.channel(spec.target)
+    ch = generator.channel(spec.target, spec.security)
+    metadata = spec.security.metadata
     try:
-        infos = await connect(ch, spec.target, spec.connect_timeout)
+        infos = await connect(ch, spec.target, spec.connect_timeout, spec.security)
         models = models_by_kind(infos, spec.models)
         try:
             scenario = Scenario(spec.scenario, models, weights=spec.mix, batch=spec.batch,
@@ -206,12 +226,12 @@ async def run_load(spec: LoadSpec) -> RunResult:
             return RunResult(spec, {}, generator.Records(started_at=time.time()), None, [], models, skipped=str(exc))
         used = dict(scenario.models)
         if spec.warmup:
-            await generator.Engine(ch, timeout=spec.timeout).closed_loop(
+            await generator.Engine(ch, timeout=spec.timeout, metadata=metadata).closed_loop(
                 scenario, spec.concurrency or 4, requests=spec.warmup, duration=None)
         before = await asyncio.to_thread(_scrape, spec.metrics_url)
         rss_samples: list[tuple[float, float]] = []
         progress = _Progress(spec.progress, spec.requests, f"{spec.scenario} ({spec.mode} loop)")
-        engine = generator.Engine(ch, timeout=spec.timeout, on_done=progress)
+        engine = generator.Engine(ch, timeout=spec.timeout, on_done=progress, metadata=metadata)
         sampler = None
         if spec.rss_interval and spec.metrics_url and before is not None:
             sampler = asyncio.create_task(_sample_rss(spec.metrics_url, spec.rss_interval, engine, rss_samples))
@@ -422,6 +442,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--connect-timeout", type=float, default=DEFAULT_CONNECT_TIMEOUT,
                        help="seconds to connect and list the models before the run; unreachable -> exit 1 "
                             f"(default {DEFAULT_CONNECT_TIMEOUT:g})")
+        p.add_argument("--tls", action="store_true",
+                       help="connect over TLS, trusting the system's CAs (implied by --tls-ca / --tls-cert)")
+        p.add_argument("--tls-ca", metavar="PEM", help="CA certificate that signed the server's certificate (TLS)")
+        p.add_argument("--tls-cert", metavar="PEM", help="client certificate for mTLS servers (with --tls-key)")
+        p.add_argument("--tls-key", metavar="PEM", help="the client certificate's private key (with --tls-cert)")
+        p.add_argument("--tls-server-name", metavar="NAME",
+                       help="name to check the server's certificate against instead of the --target host")
+        token = p.add_mutually_exclusive_group()
+        token.add_argument("--token", help="bearer token sent as 'authorization: Bearer <token>' on every call "
+                                           "(visible in the process list: prefer --token-file)")
+        token.add_argument("--token-file", metavar="PATH",
+                           help="file holding the token (the server's auth_token_file format, one token)")
 
     def fail_if(p: argparse.ArgumentParser) -> None:
         p.add_argument("--fail-if", action="append", default=[], type=_threshold, metavar="EXPR",
@@ -478,6 +510,7 @@ def spec_from_args(args: argparse.Namespace) -> LoadSpec:
         models={"classify": args.classify_model, "qa": args.qa_model, "translate": args.translate_model},
         mix=parse_weights(args.mix), batch=args.batch, beam_size=args.beam_size, timeout=args.timeout,
         warmup=args.warmup, seed=args.seed, progress=not args.no_progress, connect_timeout=args.connect_timeout,
+        security=security_from_args(args),
     )
     if args.data:
         spec.data, spec.data_file = load_requests(args.data, args.scenario), args.data
@@ -495,6 +528,33 @@ def spec_from_args(args: argparse.Namespace) -> LoadSpec:
         spec.duration, spec.requests = args.step_duration, args.step_requests
         spec.progress = False
     return spec
+
+
+def _pem_arg(path: str | None, flag: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{flag}: cannot read {path!r}: {exc.strerror or exc}") from None
+
+
+def security_from_args(args: argparse.Namespace) -> generator.Security:
+    """The :class:`generator.Security` of the ``--tls*`` / ``--token*`` flags.
+
+    Raises:
+        ValueError: only one of --tls-cert / --tls-key, an unreadable file, or a token that is empty or not
+            printable ASCII (service/auth.py resolve_token); the message names the flag (main exits 2).
+    """
+    from relserve.service.auth import resolve_token
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together (the mTLS client certificate and its key)")
+    return generator.Security(
+        tls=args.tls or args.tls_server_name is not None, root_certificates=_pem_arg(args.tls_ca, "--tls-ca"),
+        client_cert=_pem_arg(args.tls_cert, "--tls-cert"), client_key=_pem_arg(args.tls_key, "--tls-key"),
+        server_name=args.tls_server_name,
+        token=resolve_token(args.token, args.token_file, names=("--token", "--token-file")))
 
 
 def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -50,13 +50,58 @@ class Records:
         return len(self.codes)
 
 
-def channel(target: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+# The method relserve's server checks (service/auth.py): gRPC metadata ``authorization: Bearer <token>``.
+AUTH_METADATA_KEY = "authorization"
 
 
-async def list_models(ch: grpc.aio.Channel, timeout: float = 10.0) -> list[Any]:
+@dataclass(frozen=True)
+class Security:
+    """How the load generator talks to a TLS and/or token-protected server (the CLI's ``--tls*`` / ``--token``).
+
+    Attributes:
+        tls: use TLS (implied by any of the PEM fields).
+        root_certificates: PEM of the CA that signed the server's certificate; None: the system trust store.
+        client_cert, client_key: PEM of the client certificate and its key (servers with ``tls_client_ca``).
+        server_name: the name checked against the server's certificate instead of the target's host
+            (``grpc.ssl_target_name_override``), e.g. when connecting by IP to a certificate for a DNS name.
+        token: bearer token sent on every call (ListModels included), already stripped and checked.
+    """
+
+    tls: bool = False
+    root_certificates: bytes | None = None
+    client_cert: bytes | None = None
+    client_key: bytes | None = None
+    server_name: str | None = None
+    token: str | None = None
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or any(v is not None for v in (self.root_certificates, self.client_cert, self.client_key))
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...] | None:
+        """The per-call metadata (None without a token)."""
+        return ((AUTH_METADATA_KEY, f"Bearer {self.token}"),) if self.token is not None else None
+
+
+def channel(target: str, security: Security | None = None) -> grpc.aio.Channel:
+    """A grpc.aio channel to ``target``: plaintext, or TLS / mTLS per ``security`` (the token is not part of
+    the channel: :class:`Engine` and :func:`list_models` send ``security.metadata`` with each call)."""
+    if security is None or not security.uses_tls:
+        return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    options = list(CHANNEL_OPTIONS)
+    if security.server_name:
+        options.append(("grpc.ssl_target_name_override", security.server_name))
+    credentials = grpc.ssl_channel_credentials(root_certificates=security.root_certificates,
+                                               private_key=security.client_key,
+                                               certificate_chain=security.client_cert)
+    return grpc.aio.secure_channel(target, credentials, options=options)
+
+
+async def list_models(ch: grpc.aio.Channel, timeout: float = 10.0, metadata=None) -> list[Any]:
+    """The server's ListModels reply's models (``metadata``: e.g. :attr:`Security.metadata`)."""
     stub = pb_grpc.InferenceStub(ch)
-    reply = await stub.ListModels(pb.ListModelsRequest(), timeout=timeout, wait_for_ready=True)
+    reply = await stub.ListModels(pb.ListModelsRequest(), timeout=timeout, wait_for_ready=True, metadata=metadata)
     return list(reply.models)
 
 
@@ -67,12 +112,14 @@ class Engine:
         ch: a grpc.aio channel (one per run).
         timeout: per-request deadline in seconds.
         on_done: called after every completion with (code) (progress bars).
+        metadata: sent with every call (the bearer token, :attr:`Security.metadata`).
     """
 
     def __init__(self, ch: grpc.aio.Channel, *, timeout: float = 30.0,
-                 on_done: Callable[[str], None] | None = None) -> None:
+                 on_done: Callable[[str], None] | None = None, metadata=None) -> None:
         self.stub = pb_grpc.InferenceStub(ch)
         self.timeout = timeout
+        self.metadata = metadata
         self.on_done = on_done or (lambda _code: None)
         self.records = Records()
         self._t0 = 0.0
@@ -90,7 +137,7 @@ class Engine:
         self.records.sent += 1
         code = "CANCELLED"  # stays so only if this task is cancelled (the error propagates)
         try:
-            await getattr(self.stub, call.method)(call.request, timeout=self.timeout)
+            await getattr(self.stub, call.method)(call.request, timeout=self.timeout, metadata=self.metadata)
             code = "OK"
         except grpc.aio.AioRpcError as exc:
             code = exc.code().name

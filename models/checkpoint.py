@@ -292,6 +292,35 @@ def load_state_dict_strict(
     model.load_state_dict({k: v.to(own[k].dtype) for k, v in sd.items()}, strict=True)
 
 
+def check_tokenizer_fits(tokenizer: tokenization.Tokenizer, vocab_size: int, cfg_path: str) -> None:
+    """Refuse a tokenizer that can emit an id the model's embedding table (``vocab_size`` rows) lacks.
+
+    Such an id fails the whole batch at run time (``IndexError: index out of range in self`` from the
+    embedding lookup, warm-up included), so other clients' requests too. Both the tokenizer's size (its ids are
+    ``0 .. size - 1``) and the ids of its special tokens count: a ``tokenizer.json`` post-processor can name
+    ``[CLS]``/``[SEP]`` ids outside the vocabulary, and every request carries those.
+
+    Raises:
+        CheckpointError: naming the tokenizer file, ``cfg_path``, the tokenizer's size or offending special
+            token id, and ``vocab_size``.
+    """
+    where = f"{tokenizer.source} and {cfg_path}"
+    if tokenizer.vocab_size > vocab_size:
+        raise CheckpointError(
+            f"{where}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab_size}; "
+            f"ids >= {vocab_size} have no embedding (wrong tokenizer for these weights?)")
+    specials = {"cls_token_id": tokenizer.cls_token_id, "sep_token_id": tokenizer.sep_token_id,
+                "pad_token_id": tokenizer.pad_token_id, "unk_token_id": tokenizer.unk_token_id}
+    specials.update((f"special token id {i}", i) for i in tokenizer.special_token_ids)
+    over = {k: i for k, i in specials.items() if i is not None and not 0 <= i < vocab_size}
+    if over:
+        worst = max(over.values())
+        raise CheckpointError(
+            f"{where}: the tokenizer ({tokenizer.vocab_size} tokens) emits special token id(s) up to {worst} "
+            f"({', '.join(sorted(k for k, i in over.items() if i == worst))}) but the model's vocab_size is "
+            f"{vocab_size}; ids >= {vocab_size} have no embedding (wrong tokenizer for these weights?)")
+
+
 def load_checkpoint(
     path: str | os.PathLike,
     device: str | torch.device = "cpu",
@@ -320,12 +349,7 @@ def load_checkpoint(
     tokenizer = None
     if load_tokenizer:
         tokenizer = tokenization.load_tokenizer(path, spm_normalization=spm_normalization)
-        if tokenizer.vocab_size > config.vocab_size:
-            # ids past the embedding table would fail whole batches at run time, other clients' requests too
-            raise CheckpointError(
-                f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-                f"{config.vocab_size}; ids >= {config.vocab_size} have no embedding (wrong tokenizer for these "
-                f"weights?)")
+        check_tokenizer_fits(tokenizer, int(config.vocab_size), cfg_path)
     return LoadedCheckpoint(model=model, config=config, task=task, tokenizer=tokenizer, path=path)
 
 

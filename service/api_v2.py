@@ -10,7 +10,8 @@ model's task once it is known, ``_unknown_`` before), the same tolerant request 
 Wire forms (both as in the protocol): input elements as typed ``contents`` or as ``raw_input_contents``
 (one entry per input; BYTES elements each prefixed by a 4-byte little-endian length, which tritonclient
 sends). A request that used raw inputs is answered in ``raw_output_contents``, else in typed contents.
-Tensor-level parameters (Triton's shared-memory keys, ``classification``) are not supported:
+Tensor-level parameters follow :func:`relserve.service.oip.check_tensor_parameters` (as the HTTP routes):
+inputs take none, outputs only ``binary_data`` false; Triton's shared-memory keys and ``classification`` are
 INVALID_ARGUMENT. ServerLive, ServerReady and ModelReady are open without a token unless ``auth_health``,
 like grpc.health.v1 (kubelet probes cannot send metadata); metadata and inference need the token.
 No torch here.
@@ -118,9 +119,8 @@ class GRPCInferenceServicer:
         parameters = _parameters(request.parameters, "request parameter")
         requested = []
         for out in request.outputs:
-            if out.parameters:
-                raise InvalidArgument(f"output {shown(out.name)} has parameters {sorted(out.parameters)}; output "
-                                      f"parameters (e.g. classification, shared memory) are not supported")
+            where = f"output {shown(out.name)} parameter"
+            oip.check_tensor_parameters("output", out.name, _parameters(out.parameters, where))
             requested.append(out.name)
         outputs = await oip.infer_on(runner, inputs, parameters, requested, _deadline(context))
         reply = pb.ModelInferResponse(model_name=runner.name, model_version=oip.MODEL_VERSION, id=request.id)
@@ -152,9 +152,7 @@ def _inputs(request: Any) -> list[oip.Tensor]:
                               f"{len(request.inputs)} inputs; send one per input, in the order of inputs")
     tensors = []
     for i, t in enumerate(request.inputs):
-        if t.parameters:
-            raise InvalidArgument(f"input {shown(t.name)} has parameters {sorted(t.parameters)}; input tensor "
-                                  f"parameters (e.g. shared memory) are not supported")
+        oip.check_tensor_parameters("input", t.name, _parameters(t.parameters, f"input {shown(t.name)} parameter"))
         if raw:
             if t.HasField("contents"):
                 raise InvalidArgument(f"input {shown(t.name)} has typed contents and the request has "

@@ -11,6 +11,7 @@
   both sides, :func:`hmac.compare_digest` against each, no early exit, so neither the position of a match nor
   a token's length shows in the timing); a missing, malformed or unknown token ends the call with
   UNAUTHENTICATED before the request is decoded. The status message never repeats what was sent.
+  Clients (relserve.client, the load-test CLI) check their token with the same rule (:func:`resolve_token`).
 
 Reference behaviour: gRPC's own auth guide (metadata ``authorization``) and RFC 6750 §2.1 (``Bearer`` is a
 case-insensitive scheme followed by one space and the token). Imports nothing of relserve but ``errors``, so
@@ -22,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import ssl
 import time
 from pathlib import Path
@@ -68,7 +70,7 @@ def read_tokens(path: Path) -> tuple[bytes, ...]:
         token = line.strip()
         if not token or token.startswith(b"#"):
             continue
-        if any(b < 0x21 or b > 0x7E for b in token):
+        if not _printable_token(token):
             raise ConfigError(f"auth_token_file {str(path)!r}, line {number}: a token must be printable ASCII "
                               f"without spaces (gRPC metadata carries it as 'authorization: Bearer <token>')")
         tokens.append(token)
@@ -76,6 +78,52 @@ def read_tokens(path: Path) -> tuple[bytes, ...]:
         raise ConfigError(f"auth_token_file {str(path)!r} holds no token (one per line; blank lines and '#' "
                           f"comments are ignored)")
     return tuple(tokens)
+
+
+def _printable_token(token: bytes) -> bool:
+    """Printable ASCII without spaces: what gRPC metadata can carry in ``authorization: Bearer <token>``."""
+    return all(0x21 <= b <= 0x7E for b in token)
+
+
+def resolve_token(token: str | None, token_file: str | os.PathLike | None, *,
+                  names: tuple[str, str] = ("token", "token_file")) -> str | None:
+    """Client side: the bearer token to send (None: none), from ``token`` or ``token_file``, surrounding
+    whitespace stripped (``relserve.client.Client`` and the load-test CLI's ``--token`` / ``--token-file``).
+
+    Checked up front because grpc refuses invalid metadata only when a call starts, as an INTERNAL "Invalid
+    metadata" status plus C-core errors on stderr. The rule and the file format are the server's
+    (:func:`read_tokens`): printable ASCII without spaces; in a file, one token per line, blank and ``#`` lines
+    skipped; a client sends one, so the file must hold exactly one.
+
+    Args:
+        names: how messages name the two parameters (the load-test CLI passes its flag names).
+
+    Raises:
+        ValueError: both given, the token is empty or not valid header text, or the file is unreadable or
+            does not hold exactly one token (messages name the parameter, never the token).
+    """
+    token_name, file_name = names
+    if token is not None and token_file is not None:
+        raise ValueError(f"{token_name} and {file_name}: give one of them, not both")
+    if token_file is not None:
+        try:
+            tokens = read_tokens(Path(token_file))
+        except ConfigError as exc:
+            raise ValueError(f"{file_name}: {exc}") from None
+        if len(tokens) != 1:
+            raise ValueError(f"{file_name} {str(token_file)!r} holds {len(tokens)} tokens; the client sends one")
+        return tokens[0].decode("ascii")
+    if token is None:
+        return None
+    if not isinstance(token, str):
+        raise ValueError(f"{token_name} must be a str, got {type(token).__name__}")
+    token = token.strip()
+    if not token:
+        raise ValueError(f"{token_name} is empty (after stripping surrounding whitespace); pass None for no token")
+    if not (token.isascii() and _printable_token(token.encode("ascii"))):
+        raise ValueError(f"{token_name} must be printable ASCII without spaces or control characters (gRPC "
+                         f"metadata carries it as 'authorization: Bearer <token>')")
+    return token
 
 
 def check_tls_files(cert: Path, key: Path, client_ca: Path | None) -> None:

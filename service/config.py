@@ -72,8 +72,13 @@ Example file::
         torch_intra_op_threads: 0         # torch intra-op threads of this model's backend thread (0: under
                                           #   partition max(1, cores // active models) per call, else torch's
                                           #   default, one per core)
+        torch_unpadded: true              # torch backend, DeBERTa: batches with padding run the dense layers
+                                          #   on the real tokens only (attention core padded); false: padded
         onnx_graph_optimization: all      # disable | basic | extended | all
-        onnx_parity_tolerance: 0.001      # graph vs torch on the warm-up batch at load; worse refuses to serve
+        onnx_parity_tolerance: 0.001      # graph vs torch on the warm-up batch at load: passes where
+        onnx_parity_rtol: 0.0001          #   |diff| <= onnx_parity_tolerance + onnx_parity_rtol * |torch|;
+                                          #   worse refuses to serve (rtol: float32 differences grow with
+                                          #   the output, e.g. logits near 40; 0: absolute only)
         spm_normalization: spm            # spm.model-only tokenizers (no tokenizer.json): spm applies the
                                           #   model's own normaliser (nmt_nfkc), as sentencepiece and
                                           #   transformers 4 do; transformers5 drops it as transformers 5 does
@@ -81,6 +86,7 @@ Example file::
         path: defaults/qa
         max_seq_len: 384
         doc_stride: 128                   # default overlap between windows (tokens); at most (max_seq_len - 4) // 2.
+                                          #   Unset: 128, or that limit when smaller (a short-window model).
                                           #   For a question too long for it, the default is lowered to half
                                           #   the window's context room; a client's larger doc_stride is refused
         max_answer_len: 30
@@ -151,7 +157,7 @@ class ModelConfig:
     max_queue_delay: float = 0.005
     max_queue_size: int = 1024
     max_seq_len: int | None = None
-    doc_stride: int = 128
+    doc_stride: int | None = None  # None: DEFAULT_DOC_STRIDE, lowered to the model's limit (resolved_doc_stride)
     max_answer_len: int = 30
     align_to_words: bool = True  # QA spans widened to whole words (the transformers pipeline's default)
     # per-request limits, checked before any tokenizing (service/tasks/*.validate_*; QA windows by the tokenizer)
@@ -167,8 +173,13 @@ class ModelConfig:
     onnx_cache_dir: Path | None = None  # None: default_onnx_cache_dir()
     onnx_intra_op_threads: int = 0
     onnx_graph_optimization: str = "all"
-    onnx_parity_tolerance: float = 1e-3
+    onnx_parity_tolerance: float = 1e-3  # atol of the load-time self-check
+    # rtol of the self-check: ONNX Runtime sums in another order than torch, so correct float32 graphs differ
+    # in proportion to the output (1.5e-5 relative on a v3 classifier with logits near 40); 1e-4 leaves ~6x
+    # headroom and stays far below what a wrong op gives (1e-2 relative and more). Same rtol as the export.
+    onnx_parity_rtol: float = 1e-4
     torch_intra_op_threads: int = 0  # torch backends: intra-op threads of the model's thread (0: torch's default)
+    torch_unpadded: bool = True  # torch encoder backend: dense layers on real tokens only (models/deberta.py)
     spm_normalization: str = "spm"  # SPM_NORMALIZATIONS: spm.model-only tokenizers (models/tokenization.py)
     # translation (RNNsearch) models only
     scheduling: str = "iteration"
@@ -179,6 +190,19 @@ class ModelConfig:
     max_len_b: int = 10
     max_output_tokens: int = 256
     length_penalty: float = 1.0
+
+    def resolved_doc_stride(self, max_seq_len: int) -> int:
+        """The QA default overlap for ``max_seq_len``: the configured ``doc_stride``, else
+        ``min(DEFAULT_DOC_STRIDE, (max_seq_len - 4) // 2)`` (so a checkpoint with a short position table loads
+        without the user setting it; transformers' pipeline likewise lowers its default stride).
+
+        Raises:
+            ConfigError: a configured ``doc_stride`` over the limit (:func:`check_doc_stride`).
+        """
+        if self.doc_stride is None:
+            return min(DEFAULT_DOC_STRIDE, doc_stride_limit(max_seq_len))
+        check_doc_stride(f"model {self.name!r}", self.doc_stride, max_seq_len)
+        return self.doc_stride
 
     def resolved_max_seq_len(self, model_max: int | None) -> int:
         """The sequence length fed to the model: the configured one, else min(model max, 512).
@@ -268,7 +292,8 @@ _MODEL_TYPES: dict[str, type] = {
     "max_request_texts": int, "max_request_chars": int, "max_qa_windows": int, "align_to_words": bool,
     "length_bucketing": bool, "max_request_batch_share": float, "max_batch_time_ms": float,
     "onnx_cache_dir": str, "onnx_intra_op_threads": int, "onnx_graph_optimization": str,
-    "onnx_parity_tolerance": float, "torch_intra_op_threads": int, "spm_normalization": str,
+    "onnx_parity_tolerance": float, "onnx_parity_rtol": float, "torch_intra_op_threads": int,
+    "torch_unpadded": bool, "spm_normalization": str,
     "scheduling": str, "max_active_hypotheses": int, "max_source_tokens": int, "beam_size": int,
     "max_len_a": float, "max_len_b": int, "max_output_tokens": int, "length_penalty": float,
 }
@@ -287,6 +312,14 @@ _NULLABLE_SERVER_KEYS = (*_SERVER_PATH_KEYS, "metrics_host", "health_port", "hea
                          "http_port", "http_host")
 
 
+DEFAULT_DOC_STRIDE = 128  # tokens: the QA overlap when doc_stride is unset (transformers' pipeline default)
+
+
+def doc_stride_limit(max_seq_len: int) -> int:
+    """The largest ``doc_stride`` a model with ``max_seq_len`` accepts: ``(max_seq_len - 4) // 2``."""
+    return (max_seq_len - 4) // 2
+
+
 def check_doc_stride(where: str, doc_stride: int, max_seq_len: int) -> None:
     """The default QA overlap must fit the shortest question: at most half the context room of a window with a
     one-token question, ``(max_seq_len - 4) // 2`` (longer questions lower it at request time, see
@@ -296,7 +329,7 @@ def check_doc_stride(where: str, doc_stride: int, max_seq_len: int) -> None:
     Raises:
         ConfigError: naming the model, doc_stride, the limit and how it is computed.
     """
-    limit = (max_seq_len - 4) // 2
+    limit = doc_stride_limit(max_seq_len)
     if doc_stride > limit:
         raise ConfigError(
             f"{where}: doc_stride {doc_stride} is over the limit of {limit} tokens for max_seq_len {max_seq_len}: "
@@ -394,6 +427,8 @@ def validate_model(m: ModelConfig) -> ModelConfig:
     positive = ("max_batch_size", "max_batch_tokens", "max_queue_size", "doc_stride", "max_answer_len",
                 "max_request_texts", "max_request_chars", "max_qa_windows")
     for key in positive:
+        if key == "doc_stride" and m.doc_stride is None:  # unset: resolved at load (resolved_doc_stride)
+            continue
         if getattr(m, key) < 1:
             raise ConfigError(f"{where}: {key} must be >= 1, got {getattr(m, key)}")
     if not 0 < m.max_request_batch_share <= 1:
@@ -407,7 +442,8 @@ def validate_model(m: ModelConfig) -> ModelConfig:
     if m.max_seq_len is not None:
         if m.max_seq_len < 8:
             raise ConfigError(f"{where}: max_seq_len must be >= 8, got {m.max_seq_len}")
-        check_doc_stride(where, m.doc_stride, m.max_seq_len)
+        if m.doc_stride is not None:
+            check_doc_stride(where, m.doc_stride, m.max_seq_len)
         if m.max_batch_tokens < m.max_seq_len:
             raise ConfigError(
                 f"{where}: max_batch_tokens {m.max_batch_tokens} must be >= max_seq_len {m.max_seq_len} "
@@ -428,6 +464,9 @@ def validate_model(m: ModelConfig) -> ModelConfig:
                           f"transformers 4; transformers5: without it, as transformers 5)")
     if not m.onnx_parity_tolerance > 0:
         raise ConfigError(f"{where}: onnx_parity_tolerance must be > 0, got {m.onnx_parity_tolerance}")
+    if not 0 <= m.onnx_parity_rtol < 1:  # also refuses NaN; rtol >= 1 would accept a graph that outputs 0
+        raise ConfigError(f"{where}: onnx_parity_rtol must be >= 0 and < 1 (0: absolute tolerance only), got "
+                          f"{m.onnx_parity_rtol}")
     if m.scheduling not in SCHEDULING:
         raise ConfigError(f"{where}: scheduling {m.scheduling!r} is not one of {list(SCHEDULING)}")
     for key in ("max_active_hypotheses", "max_source_tokens", "max_output_tokens"):

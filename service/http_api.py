@@ -15,7 +15,8 @@ mTLS files, bearer tokens and message limit, and joins the drain like a gRPC cal
 ``POST /v2/models/{name}[/versions/{v}]/infer`` ``{"id"?, "parameters"?, "inputs": [{"name", "shape",
                                             "datatype", "data"}], "outputs"?: [{"name"}]}`` ->
                                             ``{"model_name", "model_version", "id", "outputs": [...]}``;
-                                            ``data`` flat or nested row-major, BYTES as JSON strings
+                                            ``data`` flat or nested exactly as ``shape``, row-major, BYTES
+                                            as JSON strings; tensor ``parameters`` as the gRPC servicer's
 ``GET /v1/models``                          relserve.v1 ListModels
 ``POST /v1/classify`` / ``/v1/answer`` /    the relserve.v1 request message (``model`` included) in
 ``/v1/translate``                           protobuf's canonical JSON mapping -> the response message in it
@@ -32,10 +33,15 @@ transport-neutral core :mod:`relserve.service.oip` (the gRPC v2 servicer's too) 
 
 Errors: ``{"error": message, "code": "INVALID_ARGUMENT"}`` with the HTTP status of the gRPC code
 (:data:`HTTP_STATUS`); a full queue's 429 has ``Retry-After`` (whole seconds, rounded up, from the pushback
-estimate); a body over ``max_receive_message_length`` is 413, malformed JSON 400, an unknown path 404, a
-wrong method 405. Deadlines: the optional ``X-Request-Timeout`` header (seconds, > 0) is the request's
-deadline, as a gRPC client's timeout (504 DEADLINE_EXCEEDED). A client that disconnects does not cancel its
-request (aiohttp's default): the work finishes and the reply is dropped.
+estimate); a body over ``max_receive_message_length`` (as sent or decoded) is 413, malformed JSON or a
+field of the wrong JSON type 400 (naming it), an unknown path 404, a wrong method 405. Request bodies may be
+``Content-Encoding`` gzip or deflate (decoded here, not by aiohttp: a body that is not what its label says
+is a JSON 400, another encoding a JSON 415). A request aiohttp's parser refuses before any route runs (not
+HTTP, a header line without a colon, a bad Content-Length or chunk size) gets aiohttp's plain-text 400 and
+one warning line in the log, no traceback (:class:`_ServerLog`). Deadlines: the optional
+``X-Request-Timeout`` header (seconds, > 0) is the request's deadline, as a gRPC client's timeout (504
+DEADLINE_EXCEEDED). A client that disconnects does not cancel its request (aiohttp's default): the work
+finishes and the reply is dropped; one that disconnects while sending the body is CANCELLED (499, unsent).
 
 Auth: with ``auth_token_file`` every route needs ``Authorization: Bearer <token>`` (the gRPC interceptor's
 check, :meth:`relserve.service.auth.TokenAuthInterceptor.check`) except the health routes (``/v2/health/*``,
@@ -52,11 +58,13 @@ import logging
 import math
 import ssl
 import time
+import zlib
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import grpc
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from google.protobuf import json_format
 
 from . import metrics, oip
@@ -65,7 +73,7 @@ from .api import InferenceServicer, MalformedRequest
 from .auth import TokenAuthInterceptor
 from .backends.base import TASK_CLASSIFICATION, TASK_QA, TASK_TRANSLATION
 from .drain import InflightCalls
-from .errors import InvalidArgument, RelserveError, shown, to_status
+from .errors import Cancelled, InvalidArgument, RelserveError, shown, to_status
 from .registry import ModelRegistry
 
 log = logging.getLogger(__name__)
@@ -94,7 +102,28 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.DATA_LOSS: 500,
 }
 # aiohttp's own refusals (no route, wrong method, body too large) -> the code named in the JSON error
-_HTTP_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 405: "UNIMPLEMENTED", 413: "RESOURCE_EXHAUSTED"}
+_HTTP_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 405: "UNIMPLEMENTED", 413: "RESOURCE_EXHAUSTED",
+               415: "UNIMPLEMENTED"}
+# Content-Encoding of a request body -> zlib wbits (gzip; deflate is zlib-wrapped per RFC 9110 8.4.1.2)
+_DECODERS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+class _ServerLog(logging.LoggerAdapter):
+    """The logger of aiohttp's connection handler (``aiohttp.web_protocol.RequestHandler``, its ``logger``
+    option): ``aiohttp.server``, except that a request aiohttp's parser refuses before any route runs (no
+    colon in a header line, a negative Content-Length, a bad chunk size, not HTTP at all) is the client's
+    mistake: one warning line without a traceback, where aiohttp logs an ERROR with one."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+
+    def exception(self, msg: object, *args: Any, exc_info: Any = True, **kw: Any) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            remote = args[0] if args else "?"
+            reason = " ".join(str(exc_info.message or exc_info).split())  # one line
+            log.warning("refused a malformed HTTP request from %s: %s %s", remote, exc_info.code, reason[:300])
+        else:
+            super().exception(msg, *args, exc_info=exc_info, **kw)
 
 
 class _Aborted(Exception):
@@ -229,7 +258,10 @@ class HttpApi:
             RuntimeError: the address could not be bound (message names it).
         """
         # shutdown_timeout 0: the drain has already waited for the running requests (InflightCalls)
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, shutdown_timeout=0.0)
+        # auto_decompress off: _read decodes the body itself, so that a bad or unsupported Content-Encoding
+        # is a JSON 400 / 415 from the route rather than a plain-text 400 from aiohttp's parser
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, shutdown_timeout=0.0,
+                                     auto_decompress=False, logger=_ServerLog())
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context, reuse_address=True)
         try:
@@ -293,7 +325,10 @@ class HttpApi:
         reason = self.tokens.check([("authorization", v) for v in request.headers.getall("Authorization", [])])
         if reason is None:
             return await handler(request)
-        reason = reason.replace("'authorization' metadata", "'Authorization' header")
+        # the gRPC interceptor's words are about metadata; an HTTP client sends a header
+        reason = (reason.replace("'authorization' metadata entry", "'Authorization' header")
+                  .replace("'authorization' metadata", "'Authorization' header")
+                  .replace("'authorization: Bearer <token>'", "'Authorization: Bearer <token>'"))
         task = _TASK_OF_PATH.get(request.path, metrics.UNKNOWN_MODEL)
         metrics.count_refused(task, grpc.StatusCode.UNAUTHENTICATED.name)
         return _error(grpc.StatusCode.UNAUTHENTICATED, reason)
@@ -301,13 +336,56 @@ class HttpApi:
     # ------------------------------------------------------------------ request helpers
 
     async def _body(self, request: web.Request) -> dict:
-        """The JSON object in the request body.
+        """The JSON object in the request body (:meth:`_read`).
 
         Raises:
-            InvalidArgument: not UTF-8 JSON, or not an object.
-            web.HTTPRequestEntityTooLarge: over ``max_receive_message_length`` (the middleware answers 413).
+            InvalidArgument: not UTF-8 JSON, or not an object; or as :meth:`_read`.
+            web.HTTPException: as :meth:`_read`.
         """
-        return _loads(await request.read())
+        return _loads(await self._read(request))
+
+    async def _read(self, request: web.Request) -> bytes:
+        """The request body, decoded as its ``Content-Encoding`` says (``gzip``, ``deflate``, ``identity``;
+        a list is applied last to first).
+
+        Raises:
+            InvalidArgument: the body is malformed in transit (chunked encoding, Content-Length), or is not
+                what its Content-Encoding says.
+            Cancelled: the client closed the connection before the body's end (nobody gets the answer).
+            web.HTTPUnsupportedMediaType: another Content-Encoding (the middleware answers a JSON 415).
+            web.HTTPRequestEntityTooLarge: over ``max_receive_message_length``, as sent or decoded (413).
+        """
+        header = request.headers.get("Content-Encoding", "")
+        encodings = [e.strip().lower() for e in header.split(",") if e.strip().lower() not in ("", "identity")]
+        unsupported = [e for e in encodings if e not in _DECODERS]
+        if unsupported:
+            raise web.HTTPUnsupportedMediaType(
+                text=f"Content-Encoding {shown(header)} is not supported; send the body uncompressed, gzip or "
+                     f"deflate")
+        try:
+            body = await request.read()
+        except (web.RequestPayloadError, HttpProcessingError) as exc:
+            cause = exc.__cause__ if isinstance(exc, web.RequestPayloadError) and exc.__cause__ else exc
+            raise InvalidArgument(f"the request body could not be read: {cause}") from None
+        except ConnectionError:
+            raise Cancelled("the client closed the connection before sending the whole request body") from None
+        for encoding in reversed(encodings):
+            decoder = zlib.decompressobj(_DECODERS[encoding])
+            try:
+                # max_length: a small body must not expand past the limit in memory (a "zip bomb")
+                decoded = decoder.decompress(body, self.max_body + 1)
+                if not decoder.unconsumed_tail:
+                    decoded += decoder.flush()
+            except zlib.error as exc:
+                raise InvalidArgument(f"the request body is not valid {encoding} data as its Content-Encoding "
+                                      f"{shown(header)} says ({exc})") from None
+            if len(decoded) > self.max_body or decoder.unconsumed_tail:
+                raise web.HTTPRequestEntityTooLarge(self.max_body, len(decoded))
+            if not decoder.eof or decoder.unused_data:
+                raise InvalidArgument(f"the request body is not one complete {encoding} stream as its "
+                                      f"Content-Encoding {shown(header)} says")
+            body = decoded
+        return body
 
     @staticmethod
     def _deadline(request: web.Request) -> float | None:
@@ -350,7 +428,7 @@ class HttpApi:
         """``POST /v1/classify|answer|translate``: the relserve.v1 handler on the JSON-mapped message."""
         rpc, request_type = _V1_ROUTES[request.path]
         deadline = self._deadline(request)
-        raw = await request.read()
+        raw = await self._read(request)
         message: Any = request_type()
         try:
             json_format.ParseDict(_loads(raw), message)
@@ -432,8 +510,8 @@ class HttpApi:
             code = grpc.StatusCode.DEADLINE_EXCEEDED.name
             return _error(grpc.StatusCode.DEADLINE_EXCEEDED,
                           f"the request's deadline ({TIMEOUT_HEADER}) passed before it was answered")
-        except web.HTTPRequestEntityTooLarge:
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED.name
+        except web.HTTPException as exc:  # 413 / 415 from _read: the middleware answers them as JSON
+            code = _HTTP_CODES.get(exc.status, "INVALID_ARGUMENT")
             raise
         except Exception as exc:
             status, details = to_status(exc)
@@ -473,7 +551,7 @@ def _loads(raw: bytes) -> dict:
     except RecursionError:
         raise InvalidArgument("the request body is JSON nested too deeply") from None
     if not isinstance(body, dict):
-        raise InvalidArgument(f"the request body must be a JSON object, got a JSON {type(body).__name__}")
+        raise InvalidArgument(f"the request body must be a JSON object, got {oip.describe(body)}")
     return body
 
 
@@ -481,62 +559,116 @@ class _Deadline(Exception):
     """The request's deadline passed (the awaited call was cancelled)."""
 
 
-def _flatten(data: Any, where: str) -> list:
-    """Row-major elements of a JSON tensor ``data`` (flat or nested lists)."""
+_REQUEST_FIELDS = ("id", "parameters", "inputs", "outputs")
+_INPUT_FIELDS = ("name", "shape", "datatype", "parameters", "data")
+_OUTPUT_FIELDS = ("name", "parameters")
+
+
+def _object(value: Any, where: str, fields: tuple[str, ...]) -> dict:
+    """``value`` if it is a JSON object with no field outside ``fields``.
+
+    Raises:
+        InvalidArgument: not an object, or an unknown field (naming ``where`` and the known fields).
+    """
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{where} must be a JSON object {{{', '.join(fields)}}}, got {oip.describe(value)}")
+    unknown = sorted(set(value) - set(fields))
+    if unknown:
+        raise InvalidArgument(f"unknown field(s) {unknown} in {where}; known: {', '.join(fields)}")
+    return value
+
+
+def _parameters_of(obj: dict, where: str) -> dict:
+    """``obj["parameters"]``: a JSON object, or {} when absent or null."""
+    parameters = obj.get("parameters")
+    if parameters is None:
+        return {}
+    if not isinstance(parameters, dict):
+        raise InvalidArgument(f"{where}: 'parameters' must be a JSON object, got {oip.describe(parameters)}")
+    return parameters
+
+
+def _flatten(data: Any, shape: list[int], where: str) -> list:
+    """Row-major elements of a JSON tensor's ``data``: a flat array (its length is checked against the shape
+    by :mod:`relserve.service.oip`), or arrays nested exactly as ``shape`` says (the v2 REST spec's two forms).
+
+    Raises:
+        InvalidArgument: not an array, or nested otherwise than ``shape`` (names the element and dimension).
+    """
     if not isinstance(data, list):
-        raise InvalidArgument(f"{where}: 'data' must be a JSON array, got {type(data).__name__}")
+        raise InvalidArgument(f"{where}: 'data' must be a JSON array, got {oip.describe(data)}")
+    if not any(isinstance(v, list) for v in data):
+        return data
     out: list = []
-    stack = [iter(data)]
-    while stack:
-        for value in stack[-1]:
+    hint = f"send the data flat or nested exactly as 'shape' {shape}"
+
+    def walk(value: Any, depth: int, path: str) -> None:
+        if depth == len(shape):
             if isinstance(value, list):
-                stack.append(iter(value))
-                break
+                raise InvalidArgument(f"{where}: data{path} is a list but 'shape' {shape} has {len(shape)} "
+                                      f"dimension(s); {hint}")
             out.append(value)
-        else:
-            stack.pop()
+            return
+        if not isinstance(value, list) or len(value) != shape[depth]:
+            got = f"{len(value)} elements" if isinstance(value, list) else oip.describe(value)
+            raise InvalidArgument(f"{where}: data{path} must be a list of length {shape[depth]} (dimension "
+                                  f"{depth} of 'shape' {shape}), got {got}; {hint}")
+        for i, v in enumerate(value):
+            walk(v, depth + 1, f"{path}[{i}]")
+
+    walk(data, 0, "")
     return out
 
 
 def _parse_infer(body: dict) -> tuple[list[oip.Tensor], dict, list[str]]:
-    """The v2 REST inference request's inputs, parameters and requested output names.
+    """The v2 REST inference request's inputs, parameters and requested output names; tensor-level
+    parameters follow :func:`relserve.service.oip.check_tensor_parameters` (as the gRPC servicer's).
 
     Raises:
-        InvalidArgument: a missing or mis-typed field (naming it).
+        InvalidArgument: an unknown, missing or mis-typed field (naming it and where it is).
     """
-    unknown = set(body) - {"id", "parameters", "inputs", "outputs"}
-    if unknown:
-        raise InvalidArgument(f"unknown field(s) {sorted(unknown)} in the inference request; known: id, "
-                              f"parameters, inputs, outputs")
-    if "id" in body and not isinstance(body["id"], str):
-        raise InvalidArgument("'id' must be a string")
-    parameters = body.get("parameters") or {}
-    if not isinstance(parameters, dict):
-        raise InvalidArgument("'parameters' must be a JSON object")
+    _object(body, "the inference request", _REQUEST_FIELDS)
+    if body.get("id") is not None and not isinstance(body["id"], str):
+        raise InvalidArgument(f"'id' must be a string, got {oip.describe(body['id'])}")
+    parameters = _parameters_of(body, "the inference request")
     raw_inputs = body.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
-        raise InvalidArgument("'inputs' must be a non-empty JSON array of tensors {name, shape, datatype, data}")
+        raise InvalidArgument(f"'inputs' must be a non-empty JSON array of tensors {{name, shape, datatype, data}}, "
+                              f"got {'an empty list' if raw_inputs == [] else oip.describe(raw_inputs)}")
     inputs = []
     for i, t in enumerate(raw_inputs):
         where = f"inputs[{i}]"
-        if not isinstance(t, dict):
-            raise InvalidArgument(f"{where} must be a JSON object {{name, shape, datatype, data}}")
-        for key, kind in (("name", str), ("datatype", str), ("shape", list)):
-            if not isinstance(t.get(key), kind):
-                raise InvalidArgument(f"{where}: {key!r} is missing or not a JSON {kind.__name__}")
+        _object(t, where, _INPUT_FIELDS)
+        for key, kind, words in (("name", str, "a string"), ("datatype", str, "a string"), ("shape", list, "a list")):
+            if key not in t:
+                raise InvalidArgument(f"{where}: {key!r} is missing")
+            if not isinstance(t[key], kind):
+                raise InvalidArgument(f"{where}: {key!r} must be {words}, got {oip.describe(t[key])}")
+        where = f"inputs[{i}] ({shown(t['name'])})"
         if "data" not in t:
             raise InvalidArgument(f"{where}: 'data' is missing")
-        if not all(isinstance(d, int) and not isinstance(d, bool) for d in t["shape"]):
-            raise InvalidArgument(f"{where}: 'shape' must be a list of integers")
-        if (t.get("parameters") or {}).get("binary_data_size") is not None:
-            raise InvalidArgument(f"{where}: binary tensor data is not supported; send the data as JSON")
-        inputs.append(oip.Tensor(t["name"], t["datatype"], tuple(t["shape"]), _flatten(t["data"], where)))
+        shape = t["shape"]
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise InvalidArgument(f"{where}: 'shape' must be a list of non-negative integers, got {shown(str(shape))}")
+        oip.check_tensor_parameters("input", t["name"], _parameters_of(t, where))
+        try:
+            data = _flatten(t["data"], shape, where)
+        except RecursionError:
+            raise InvalidArgument(f"{where}: 'data' is nested too deeply for 'shape' {shape}") from None
+        inputs.append(oip.Tensor(t["name"], t["datatype"], tuple(shape), data))
+    raw_outputs = body.get("outputs")
+    if raw_outputs is None:
+        raw_outputs = []
+    if not isinstance(raw_outputs, list):
+        raise InvalidArgument(f"'outputs' must be a JSON array of {{name, parameters}}, got "
+                              f"{oip.describe(raw_outputs)}")
     names = []
-    for i, o in enumerate(body.get("outputs") or []):
-        if not isinstance(o, dict) or not isinstance(o.get("name"), str):
-            raise InvalidArgument(f"outputs[{i}] must be a JSON object with a string 'name'")
-        if (o.get("parameters") or {}).get("binary_data"):
-            raise InvalidArgument(f"outputs[{i}]: binary tensor data is not supported")
+    for i, o in enumerate(raw_outputs):
+        where = f"outputs[{i}]"
+        _object(o, where, _OUTPUT_FIELDS)
+        if not isinstance(o.get("name"), str):
+            raise InvalidArgument(f"{where}: 'name' must be a string, got {oip.describe(o.get('name'))}")
+        oip.check_tensor_parameters("output", o["name"], _parameters_of(o, f"{where} ({shown(o['name'])})"))
         names.append(o["name"])
     return inputs, parameters, names
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib
 import logging
 import os
@@ -28,7 +29,7 @@ import sys
 from typing import Mapping, Sequence
 
 from . import model_dir
-from .config import COMPUTE_SCHEDULING, ConfigError, ServerConfig, load_config
+from .config import COMPUTE_SCHEDULING, ConfigError, ModelConfig, ServerConfig, load_config
 
 log = logging.getLogger("relserve")
 
@@ -172,9 +173,16 @@ def _dir_models(args: argparse.Namespace, environ: Mapping[str, str]) -> list:
                 raise ConfigError(f"{source} is given but no model directory: add --model-dir DIR "
                                   f"(or set ${model_dir.ENV_DIR})")
         return []
+    # what an option may set: every model config key but the two the directory gives (parse_options refuses
+    # those by name); checked here so the unknown-key message lists only keys this flag accepts
+    allowed = sorted({f.name for f in dataclasses.fields(ModelConfig)} - {"name", "path"})
     parsed = {}
     for source, text in options:
-        parsed.update(model_dir.parse_options(text, source))
+        items = model_dir.parse_options(text, source)
+        unknown = sorted(set(items) - set(allowed))
+        if unknown:
+            raise ConfigError(f"{source} {text!r}: unknown key(s) {unknown}; allowed: {allowed}")
+        parsed.update(items)
     return model_dir.dir_models(directory, name, parsed, dir_source=dir_source, name_source=name_source)
 
 

@@ -34,6 +34,12 @@ classification ``top_k``, ``function_to_apply`` (string: the scores of ``probabi
 the known ones. A QA request of N questions runs N relserve.v1 Answer calls concurrently, after the request-wide
 ``max_request_texts`` / ``max_request_chars`` check.
 
+Tensor-level parameters (:func:`check_tensor_parameters`, the same rule on both transports): inputs take
+none (binary data, shared memory: INVALID_ARGUMENT naming the parameter); outputs take only ``binary_data``
+false (the elements in the reply itself, the default), no ``classification`` / ``class_count`` (the
+classification extension: use ``label`` with ``top_k``) or shared memory. FP32 outputs are float32 values
+(:func:`output`), so every transport prints the same numbers.
+
 Models have one version, ``"1"``; a request may name it or leave the version empty. No torch here.
 """
 
@@ -43,6 +49,8 @@ import asyncio
 import importlib.metadata
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
+
+import numpy
 
 from .backends.base import TASK_CLASSIFICATION, TASK_QA, TASK_TRANSLATION
 from .errors import InvalidArgument, NotFound, Unavailable, shown
@@ -90,7 +98,7 @@ class ServerMetadata:
 class ModelMetadata:
     name: str
     versions: tuple[str, ...]
-    platform: str  # "relserve_<backend>", e.g. relserve_torch, relserve_onnx
+    platform: str  # "relserve_<backend>": relserve_torch or relserve_onnxruntime
     inputs: tuple[TensorMetadata, ...]
     outputs: tuple[TensorMetadata, ...]
 
@@ -113,6 +121,52 @@ _PARAMETERS = {
               "null_threshold": _NUMBER, "align_to_words": _BOOL},
     TASK_TRANSLATION: {"beam_size": _INT, "n_best": _INT, "max_length": _INT},
 }
+
+
+def describe(value: Any) -> str:
+    """``value``'s kind in words, for error messages: "null", "a boolean", "an integer", "a number",
+    "a string", "a list", "an object", "bytes" (else the Python type name)."""
+    if value is None:
+        return "null"
+    for kind, words in ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
+                        ((list, tuple), "a list"), (dict, "an object"), ((bytes, bytearray, memoryview), "bytes")):
+        if isinstance(value, kind):
+            return words
+    return f"a {type(value).__name__}"
+
+
+def output(name: str, datatype: str, shape: tuple[int, ...], data: list) -> Tensor:
+    """An output tensor; FP32 elements are rounded to float32 here, the one place, so that a JSON reply
+    prints the numbers a gRPC reply's ``fp32_contents`` / raw float32 bytes carry."""
+    if datatype == FP32:
+        data = numpy.asarray(data, dtype=numpy.float32).tolist()  # tolist: Python floats of the float32 values
+    return Tensor(name, datatype, tuple(shape), data)
+
+
+# Tensor-level parameters an output may carry: name -> the one accepted value
+_OUTPUT_PARAMETERS_ACCEPTED = {"binary_data": False}
+_PARAMETER_HINTS = {
+    "binary_data_size": "binary tensor data is not supported; send the elements in the tensor's data",
+    "binary_data": "binary tensor data is not supported; the elements are sent in the reply's tensor",
+    "classification": "the classification extension is not supported; request the 'label' output (with the "
+                      "top_k parameter) instead",
+    "class_count": "the classification extension is not supported; request the 'label' output (with the "
+                   "top_k parameter) instead",
+}
+
+
+def check_tensor_parameters(kind: str, name: str, parameters: Mapping[str, Any]) -> None:
+    """The rule for tensor-level ``parameters`` of input (``kind`` "input") or requested output (``kind``
+    "output") ``name``, for every transport: inputs take none; outputs only ``binary_data`` false.
+
+    Raises:
+        InvalidArgument: any other parameter (names it, with what to do instead).
+    """
+    for key, value in parameters.items():
+        if kind == "output" and key in _OUTPUT_PARAMETERS_ACCEPTED and value is _OUTPUT_PARAMETERS_ACCEPTED[key]:
+            continue
+        hint = _PARAMETER_HINTS.get(key, "tensor-level parameters (e.g. shared memory) are not supported")
+        raise InvalidArgument(f"{kind} {shown(name)} has parameter {shown(key)} = {shown(str(value))}: {hint}")
 
 
 def parameter_names(task: str) -> tuple[str, ...]:
@@ -262,7 +316,7 @@ def _parameters(task: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
               _STRING: isinstance(value, str),
               _NUMBER: isinstance(value, (int, float)) and not isinstance(value, bool)}[kind]
         if not ok:
-            raise InvalidArgument(f"parameter {name!r} must be {kind}, got {type(value).__name__} {shown(str(value))}")
+            raise InvalidArgument(f"parameter {name!r} must be {kind}, got {describe(value)} {shown(str(value))}")
         out[name] = value
     return out
 
@@ -317,10 +371,15 @@ def _describe_inputs(task: str) -> str:
 
 def _decode(name: str, index: int, value: Any) -> str:
     if isinstance(value, str):
+        try:
+            value.encode("utf-8")  # a JSON "\ud800" is a str that no UTF-8 (and no tokenizer) can take
+        except UnicodeEncodeError as exc:
+            raise InvalidArgument(f"input {name!r}[{index}] is not valid UTF-8 text (an unpaired surrogate at "
+                                  f"character {exc.start})") from None
         return value
     if not isinstance(value, (bytes, bytearray, memoryview)):
-        raise InvalidArgument(f"input {name!r}[{index}] is a {type(value).__name__}; BYTES elements must be "
-                              f"UTF-8 strings")
+        raise InvalidArgument(f"input {name!r}[{index}] is {describe(value)}; BYTES elements must be UTF-8 "
+                              f"strings")
     try:
         return bytes(value).decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -349,7 +408,7 @@ async def _classify(runner: Runner, inputs: dict[str, list[str]], params: dict[s
             probabilities[i * len(order) + column[label]] = float(score)
         best.extend(label.encode() for label, _ in item.labels[:k])  # item.labels is best first
     label_shape = (n,) if top_k is None else (n, k)
-    return [Tensor("probabilities", FP32, (n, len(order)), probabilities), Tensor("label", BYTES, label_shape, best)]
+    return [output("probabilities", FP32, (n, len(order)), probabilities), output("label", BYTES, label_shape, best)]
 
 
 _NO_ANSWER = (b"", -1, -1, 0.0, False)  # pads a QA row with fewer than top_k answers
@@ -390,7 +449,7 @@ async def _answer(runner: Runner, inputs: dict[str, list[str]], params: dict[str
         for row in rows:
             for column, value in zip(columns, row):
                 column.append(value)
-    return [Tensor(name, dtype, (n, k), column) for name, dtype, column in
+    return [output(name, dtype, (n, k), column) for name, dtype, column in
             zip(_OUTPUTS[TASK_QA], (BYTES, INT64, INT64, FP32, BOOL), columns)]
 
 
@@ -420,4 +479,4 @@ async def _translate(runner: Runner, inputs: dict[str, list[str]], params: dict[
         hyps = [h.text.encode() for h in item.hypotheses[:k]]
         data += hyps + [b""] * (k - len(hyps))  # a blank text has one (empty) hypothesis
     shape = (len(items),) if "n_best" not in params else (len(items), k)
-    return [Tensor("translation", BYTES, shape, data)]
+    return [output("translation", BYTES, shape, data)]

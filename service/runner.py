@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import time
@@ -27,7 +28,7 @@ from . import metrics
 from .backends.base import TASK_CLASSIFICATION, TASK_QA, Backend, ModelMeta
 from .batcher import Batcher, BatchStats, Unit
 from .compute import ComputeScheduler, Lane
-from .config import ModelConfig, check_doc_stride
+from .config import DEFAULT_DOC_STRIDE, ModelConfig
 from .errors import ConfigError, Internal, InvalidArgument, Unavailable
 from relserve.models import qa_spans
 from relserve.models.tokenization import DocStrideTooLarge, TooManyWindows, qa_window_count
@@ -303,7 +304,15 @@ class ModelRunner(Runner):
     def _check_loaded(self, meta: ModelMeta) -> None:
         self.max_seq_len = self.config.resolved_max_seq_len(meta.max_positions)
         if meta.task == TASK_QA:
-            check_doc_stride(f"model {self.name!r}", self.config.doc_stride, self.max_seq_len)
+            # an unset doc_stride becomes min(128, the limit) here, where max_seq_len is known; the resolved
+            # value replaces it so that every reader of config.doc_stride (gRPC and KServe request defaults)
+            # sees the one the model serves with. An explicit one over the limit is refused.
+            stride = self.config.resolved_doc_stride(self.max_seq_len)
+            if self.config.doc_stride is None:
+                if stride < DEFAULT_DOC_STRIDE:
+                    log.info("model %r: doc_stride %d (the default %d is over the limit of %d tokens for "
+                             "max_seq_len %d)", self.name, stride, DEFAULT_DOC_STRIDE, stride, self.max_seq_len)
+                self.config = dataclasses.replace(self.config, doc_stride=stride)
         if self.config.max_batch_tokens < self.max_seq_len:
             raise ConfigError(
                 f"model {self.name!r}: max_batch_tokens {self.config.max_batch_tokens} must be >= "

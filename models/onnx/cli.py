@@ -49,7 +49,8 @@ def _parity_line(report: dict[str, Any]) -> str:
     cases = parity["cases"]
     worst = max(max(c.get("max_abs_diff", 0.0), c.get("encoder_max_abs_diff", 0.0),
                     c.get("decoder_step_max_abs_diff", 0.0)) for c in cases)
-    line = f"parity: {len(cases)} cases, max |diff| {worst:.2e} (tolerance {parity['tolerance']})"
+    line = (f"parity: {len(cases)} cases, max |diff| {worst:.2e}, max |diff|/(atol + rtol*|ref|) "
+            f"{parity['max_scaled_diff']:.3g} (atol {parity['atol']:g}, rtol {parity['rtol']:g})")
     if "search" in parity:
         line += "; searches " + ", ".join(f"{k} {'identical' if v['identical_tokens'] else 'DIFFER'}"
                                           for k, v in parity["search"].items())

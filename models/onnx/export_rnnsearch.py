@@ -47,9 +47,12 @@ from ..checkpoint import checkpoint_hash, encoder_kind, load_translation_checkpo
 from ..decoding import DecodeOptions, beam_search
 from ..rnnsearch import BiGRUEncoder, RNNSearch
 from . import ops as onnx_ops
-from .export import ExportParityError, check_opset, dynamo_export, file_digests, staged_dir
+from .export import (PARITY_RTOL, PARITY_TOLERANCE, ExportParityError, check_opset, dynamo_export, file_digests,
+                     staged_dir)
 from .runtime import (DECODER_GRAPH, ENCODER_GRAPH, EXPORT_VERSION, METADATA_CHECKPOINT, REPORT_DIGESTS, REPORT_NAME,
-                      OrtRNNSearch, step_api_diff)
+                      OrtRNNSearch, step_api_agreement)
+from .tolerance import Agreement
+
 ENCODER_INPUTS = ["src_ids", "src_mask"]
 ENCODER_OUTPUTS = ["annotations", "projected_annotations", "init_state"]
 DECODER_INPUTS = ["annotations", "projected_annotations", "src_mask", "source_index", "prev_tokens", "prev_hidden"]
@@ -271,28 +274,32 @@ def _sources(model: RNNSearch, lengths: list[int], seed: int) -> tuple[np.ndarra
     return ids, mask
 
 
-def translation_parity_report(ort_model, model: RNNSearch, *, tolerance: float = 1e-4,
-                              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def translation_parity_report(ort_model, model: RNNSearch, *, tolerance: float = PARITY_TOLERANCE,
+                              rtol: float = PARITY_RTOL, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Graphs (``ort_model``, an :class:`~relserve.models.onnx.runtime.OrtRNNSearch`) vs torch ``model``.
 
     Encoder cases compare the three encoder outputs over real positions; each case then runs one decoder step
     with two hypotheses per source (different tokens, source rows in reverse order) and compares log-probs,
-    states and alignments; finally greedy and beam-4 searches over the mixed batch must give identical tokens.
-    Returns ``{"passed", "tolerance", "cases": [...], "search": {...}}``."""
+    states and alignments, passing where ``|diff| <= tolerance + rtol * |torch|``; finally greedy and beam-4
+    searches over the mixed batch must give identical tokens. Returns ``{"passed", "tolerance" (= "atol"),
+    "atol", "rtol", "max_abs_diff", "max_scaled_diff", "providers", "cases": [...], "search": {...}}``."""
     say = progress or (lambda _m: None)
     model = model.to("cpu", torch.float32).eval()
     cases = []
+    total = Agreement(tolerance, rtol)
     for k, lengths in enumerate(parity_cases(model)):
         ids, mask = _sources(model, lengths, seed=k)
         rows = torch.arange(len(lengths) - 1, -1, -1).repeat_interleave(2)
         tokens = torch.from_numpy(np.random.default_rng(100 + k).integers(3, model.config.tgt_vocab_size, len(rows)))
-        enc_diff, dec_diff = step_api_diff(model, ort_model, torch.from_numpy(ids), torch.from_numpy(mask), rows,
-                                           tokens)
-        diff = max(enc_diff, dec_diff)
-        cases.append({"batch": len(lengths), "lengths": lengths, "encoder_max_abs_diff": enc_diff,
-                      "decoder_step_max_abs_diff": dec_diff, "passed": bool(diff <= tolerance)})
-        say(f"  parity batch={len(lengths)} lengths={lengths}: encoder {enc_diff:.2e}, decoder step {dec_diff:.2e} "
-            f"{'ok' if diff <= tolerance else 'FAIL'}")
+        enc, dec = step_api_agreement(model, ort_model, torch.from_numpy(ids), torch.from_numpy(mask), rows,
+                                      tokens, atol=tolerance, rtol=rtol)
+        total.merge(enc).merge(dec)
+        ok = enc.passed and dec.passed
+        cases.append({"batch": len(lengths), "lengths": lengths, "encoder_max_abs_diff": enc.max_abs_diff,
+                      "decoder_step_max_abs_diff": dec.max_abs_diff,
+                      "max_scaled_diff": max(enc.max_scaled_diff, dec.max_scaled_diff), "passed": ok})
+        say(f"  parity batch={len(lengths)} lengths={lengths}: encoder {enc.max_abs_diff:.2e}, decoder step "
+            f"{dec.max_abs_diff:.2e}, scaled {cases[-1]['max_scaled_diff']:.3g} {'ok' if ok else 'FAIL'}")
     ids, mask = _sources(model, parity_cases(model)[-1], seed=99)
     search = {}
     with torch.inference_mode():
@@ -303,13 +310,15 @@ def translation_parity_report(ort_model, model: RNNSearch, *, tolerance: float =
             search[label] = {"identical_tokens": want == got}
             say(f"  {label} search over {len(want)} sources: tokens {'identical' if want == got else 'DIFFER'}")
     passed = all(c["passed"] for c in cases) and all(s["identical_tokens"] for s in search.values())
-    return {"passed": passed, "tolerance": tolerance, "providers": ort_model.providers, "cases": cases,
+    return {"passed": passed, "tolerance": tolerance, **total.as_dict(), "providers": ort_model.providers,
+            "cases": cases,
             "search": search}
 
 
 def export_translation_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                                   opset: int = 18, parity: bool = True,
-                                  progress: Callable[[str], None] | None = print, loaded=None) -> dict[str, Any]:
+                                  progress: Callable[[str], None] | None = print, loaded=None,
+                                  atol: float = PARITY_TOLERANCE, rtol: float = PARITY_RTOL) -> dict[str, Any]:
     """Load a translation checkpoint, export both graphs into ``out_dir``, check them, write the report.
 
     ``loaded``: an already loaded ``(model, config, tokenizer)`` (the server's ONNX backend passes one).
@@ -373,12 +382,17 @@ def export_translation_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: st
         if parity:
             say("[4/4] parity against torch (ONNX Runtime CPU)")
             ort_model = OrtRNNSearch(out, model.config)
-            report["parity"] = translation_parity_report(ort_model, model, progress=say)
+            report["parity"] = translation_parity_report(ort_model, model, tolerance=atol, rtol=rtol, progress=say)
         report["total_seconds"] = round(time.perf_counter() - t0, 2)
         (out / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         if parity and not report["parity"]["passed"]:
-            raise ExportParityError(f"exported graphs differ from torch; {out_dir} is unchanged, the graphs and "
-                                    f"{REPORT_NAME} are in {out}")
+            p = report["parity"]
+            raise ExportParityError(f"exported graphs differ from torch (max |diff| {p['max_abs_diff']:.3g}, max "
+                                    f"|diff|/(atol + rtol*|ref|) {p['max_scaled_diff']:.3g}, atol {p['atol']:g}, "
+                                    f"rtol {p['rtol']:g}; searches "
+                                    + ", ".join(f"{k} {'identical' if v['identical_tokens'] else 'DIFFER'}"
+                                                for k, v in p["search"].items())
+                                    + f"); {out_dir} is unchanged, the graphs and {REPORT_NAME} are in {out}")
     final = Path(out_dir)
     say(f"wrote {final / ENCODER_GRAPH}, {final / DECODER_GRAPH} and {final / REPORT_NAME}")
     return report

@@ -9,7 +9,7 @@
 * :class:`OrtRNNSearch` has the methods search code uses on :class:`relserve.models.rnnsearch.RNNSearch`
   (``config``, ``encode``, ``decode_step``, ``eval``), with torch tensors in and out, so
   :mod:`relserve.models.decoding` and the server's decode loop run on it unchanged; on the CUDA provider the
-  encoder state never leaves the device between steps. :func:`step_api_diff` compares two such models.
+  encoder state never leaves the device between steps. :func:`step_api_agreement` compares two such models.
 
 The graph file names and metadata keys the exporters write are defined here, so this module imports no
 exporter.
@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from .tolerance import Agreement
 from ..rnnsearch import EncoderState, RNNSearchConfig, check_source_mask
 
 GRAPH_NAME = "model.onnx"
@@ -225,26 +226,34 @@ class OrtRNNSearch:
         return out["log_probs"], out["new_hidden"], out["alignment"]
 
 
-def _diff(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)))) if a.size else 0.0
-
-
 @torch.inference_mode()
-def step_api_diff(reference, candidate, ids: Tensor, mask: Tensor, rows: Tensor, tokens: Tensor) -> tuple[float, float]:
-    """Max |difference| of two step-API models (``encode`` / ``decode_step``) on the same sources: (encoder
-    outputs over real positions, one decoder step whose hypotheses read source ``rows`` with previous
-    ``tokens`` from the reference's initial states). Used by the export report and the server's self-check."""
+def step_api_agreement(reference, candidate, ids: Tensor, mask: Tensor, rows: Tensor, tokens: Tensor, *,
+                       atol: float, rtol: float) -> tuple[Agreement, Agreement]:
+    """How two step-API models (``encode`` / ``decode_step``) agree on the same sources, against
+    ``|candidate - reference| <= atol + rtol * |reference|``: (encoder outputs over real positions, one decoder
+    step whose hypotheses read source ``rows`` with previous ``tokens`` from the reference's initial states).
+    Used by the export report and the server's self-check."""
+    def np_(t: Tensor) -> np.ndarray:
+        return t.float().cpu().numpy()
+
     want = reference.encode(ids, mask)
     got = candidate.encode(ids, mask)
     lengths = mask.sum(dim=1).tolist()
-    enc = _diff(want.init_state.float().cpu().numpy(), got.init_state.float().cpu().numpy())
+    enc = Agreement(atol, rtol).add(np_(got.init_state), np_(want.init_state))
     for name in ("annotations", "projected_annotations"):
-        w = getattr(want, name).float().cpu().numpy()
-        g = getattr(got, name).float().cpu().numpy()
+        w, g = np_(getattr(want, name)), np_(getattr(got, name))
         for b, n in enumerate(lengths):
-            enc = max(enc, _diff(w[b, :n], g[b, :n]))
+            enc.add(g[b, :n], w[b, :n])
     hidden = want.init_state.index_select(0, rows)
-    dec = max(_diff(a.float().cpu().numpy(), b.float().cpu().numpy())
-              for a, b in zip(reference.decode_step(want, rows, tokens, hidden),
-                              candidate.decode_step(want, rows, tokens, hidden)))
+    dec = Agreement(atol, rtol)
+    for a, b in zip(reference.decode_step(want, rows, tokens, hidden),
+                    candidate.decode_step(want, rows, tokens, hidden)):
+        dec.add(np_(b), np_(a))
     return enc, dec
+
+
+def step_api_diff(reference, candidate, ids: Tensor, mask: Tensor, rows: Tensor, tokens: Tensor) -> tuple[float, float]:
+    """Max |difference| of two step-API models: (encoder outputs, one decoder step); see
+    :func:`step_api_agreement`."""
+    enc, dec = step_api_agreement(reference, candidate, ids, mask, rows, tokens, atol=1.0, rtol=0.0)
+    return enc.max_abs_diff, dec.max_abs_diff

@@ -15,6 +15,9 @@ improvement. ``--state-dir`` holds ``state.pt`` (model, optimizer, step, epoch p
 written at each evaluation and at the end; ``--resume`` continues from it exactly where it stopped.
 ``--max-steps`` / ``--max-minutes`` stop early (the state is saved, so a resumed run continues).
 
+BLEU/chrF need sacrebleu, from the ``train`` extra (``pip install 'relserve[train]'``); without it the command
+stops at once with that install line.
+
 ``--eval-checkpoint DIR`` instead evaluates a saved checkpoint on ``--dev`` (greedy and ``--beam``) and prints
 JSON with BLEU and chrF.
 
@@ -43,6 +46,7 @@ from ..decoding import DecodeOptions, beam_search, greedy_search
 from ..deberta import DebertaConfig
 from ..rnnsearch import RNNSearch, RNNSearchConfig, build_translation_model, encoder_kind
 from ..tokenization import SOURCE_SPM, TARGET_SPM, TranslationTokenizer, train_sentencepiece
+from . import require_train_extra
 from .loop import count_parameters
 
 STATE_NAME = "state.pt"
@@ -325,6 +329,8 @@ def _set_rng_state(s: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # score() imports sacrebleu only at the first evaluation: refuse now, not after hours of training
+    require_train_extra("relserve train-translation", ["sacrebleu"])
     torch.set_num_threads(max(1, args.threads))
     if args.eval_checkpoint:
         if not args.dev:

@@ -7,8 +7,8 @@ Inputs and outputs go through IO binding as torch tensors on the session's devic
 (:func:`relserve.models.onnx.runtime.run_bound`): on CUDA no extra host copy, and the CPU runs the same code.
 
 At load the graph and the torch checkpoint run the warm-up batch (a short sequence and a full-length one
-striding through the vocabulary); when they differ by more than ``onnx_parity_tolerance`` the model is
-refused with :class:`GraphMismatch`.
+striding through the vocabulary); when somewhere ``|graph - torch| > onnx_parity_tolerance + onnx_parity_rtol *
+|torch|`` the model is refused with :class:`GraphMismatch`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 from relserve.models.checkpoint import load_checkpoint
 from relserve.models.onnx.export import export_checkpoint, graph_io_names
 from relserve.models.onnx.runtime import GRAPH_NAME, make_session, run_bound
+from relserve.models.onnx.tolerance import Agreement
 
 from ..config import ModelConfig
 from ..errors import ConfigError
@@ -126,20 +127,20 @@ class OnnxBackend:
             out = model(*(torch.from_numpy(feeds[k]) for k in self._inputs))
         outs = [out] if self.meta.task == TASK_CLASSIFICATION else list(out)
         want = [o.float().numpy() for o in outs]
-        worst = 0.0
+        agree = Agreement(self.config.onnx_parity_tolerance, self.config.onnx_parity_rtol)
         for i, item in enumerate(batch):
             n = len(item.input_ids)
             if self.meta.task == TASK_CLASSIFICATION:
-                worst = max(worst, float(np.max(np.abs(got[i] - want[0][i]))))
+                agree.add(got[i], want[0][i])
             else:
                 for k in range(2):
-                    worst = max(worst, float(np.max(np.abs(got[i][k] - want[k][i, :n]))))
-        self.parity_diff = worst
-        if not worst <= self.config.onnx_parity_tolerance:
+                    agree.add(got[i][k], want[k][i, :n])
+        self.parity_diff = agree.max_abs_diff
+        if not agree.passed:
             raise GraphMismatch(
                 f"model {self.config.name!r}: ONNX graph {self.graph} differs from the torch checkpoint "
-                f"{self.config.path} by {worst:.3g} on the warm-up batch (tolerance {self.config.onnx_parity_tolerance}); "
-                f"refusing to serve it")
+                f"{self.config.path} on the warm-up batch beyond |diff| <= onnx_parity_tolerance + "
+                f"onnx_parity_rtol*|ref|: {agree.describe()}; refusing to serve it")
 
     # -------------------------------------------------------------- contract
 

@@ -7,7 +7,7 @@ its ``onnx/`` folder, else the export cache keyed by checkpoint hash) and opened
 beams over it are kept by its own
 :class:`.translation_steps.BeamStepper`, exactly as the torch backend keeps its. At load, the graphs and the
 torch checkpoint encode the warm-up sources and take one decoder step; a difference above
-``onnx_parity_tolerance`` refuses the model (:class:`GraphMismatch`). The provider in use is
+``onnx_parity_tolerance + onnx_parity_rtol * |torch|`` refuses the model (:class:`GraphMismatch`). The provider in use is
 ``ModelMeta.device``.
 """
 
@@ -22,7 +22,7 @@ import torch
 
 from relserve.models.checkpoint import load_translation_checkpoint
 from relserve.models.onnx.export_rnnsearch import export_translation_checkpoint
-from relserve.models.onnx.runtime import DECODER_GRAPH, ENCODER_GRAPH, OrtRNNSearch, step_api_diff
+from relserve.models.onnx.runtime import DECODER_GRAPH, ENCODER_GRAPH, OrtRNNSearch, step_api_agreement
 from relserve.models.rnnsearch import encoder_kind
 
 from ..config import ModelConfig
@@ -111,10 +111,12 @@ class OnnxTranslationBackend(SteppedBackend):
         mask[1] = True
         k = int(cfg.tgt_vocab_size)
         tokens = torch.tensor([(i * 7919) % k for i in range(64)])
-        worst = max(step_api_diff(reference, self.model, ids, mask, torch.arange(64) % 2, tokens))
-        self.parity_diff = worst
-        if not worst <= self.config.onnx_parity_tolerance:
+        enc, dec = step_api_agreement(reference, self.model, ids, mask, torch.arange(64) % 2, tokens,
+                                      atol=self.config.onnx_parity_tolerance, rtol=self.config.onnx_parity_rtol)
+        agree = enc.merge(dec)
+        self.parity_diff = agree.max_abs_diff
+        if not agree.passed:
             raise GraphMismatch(
                 f"model {self.config.name!r}: ONNX graphs in {self.graph_dir} differ from the torch checkpoint "
-                f"{self.config.path} by {worst:.3g} on the warm-up sources (tolerance "
-                f"{self.config.onnx_parity_tolerance}); refusing to serve them")
+                f"{self.config.path} on the warm-up sources beyond |diff| <= onnx_parity_tolerance + "
+                f"onnx_parity_rtol*|ref|: {agree.describe()}; refusing to serve them")

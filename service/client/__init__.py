@@ -29,6 +29,7 @@ import grpc
 
 from relserve.service._proto import inference_pb2 as pb
 from relserve.service._proto import inference_pb2_grpc as pb_grpc
+from relserve.service.auth import resolve_token  # the server's token rules (grpc and the stdlib only)
 
 __all__ = ["Client", "ClientError", "pb"]
 
@@ -91,27 +92,34 @@ class Client:
         client_cert, client_key: PEM bytes or paths of the client certificate and its key, for servers with
             ``tls_client_ca`` (mTLS); both or neither.
         token: bearer token, sent as ``authorization: Bearer <token>`` metadata on every call (server key
-            ``auth_token_file``). Sent over plaintext too if ``tls`` is off: use TLS where the network is not
-            trusted.
+            ``auth_token_file``). Surrounding whitespace is stripped (so ``open(path).read()`` works). Sent
+            over plaintext too if ``tls`` is off: use TLS where the network is not trusted.
+        token_file: instead of ``token``: a file in the server's ``auth_token_file`` format (one token per
+            line, blank and ``#`` lines skipped, whitespace stripped) that holds exactly one token.
         timeout: default deadline of each call in seconds (None: no deadline); each method's ``timeout``
             overrides it. For ``translate_stream`` it bounds the whole stream.
         options: extra gRPC channel arguments, e.g. ``[("grpc.service_config", json_text)]`` for the retry
             policy in deploy/client/service_config.json, or ``("grpc.ssl_target_name_override", name)``.
 
     Raises:
-        ValueError: only one of ``client_cert`` / ``client_key``, or a PEM file that cannot be read.
+        ValueError: only one of ``client_cert`` / ``client_key``; a PEM file that cannot be read; both ``token``
+            and ``token_file``; a token that is empty or not printable ASCII without spaces (gRPC metadata
+            cannot carry it; the message names the parameter, never the token); a ``token_file`` that cannot
+            be read or does not hold exactly one token.
 
     Use as a context manager (or call :meth:`close`) so the channel is closed.
     """
 
     def __init__(self, target: str, *, tls: bool = False, root_certificates: Pem | None = None,
                  client_cert: Pem | None = None, client_key: Pem | None = None, token: str | None = None,
-                 timeout: float | None = None, options: Sequence[tuple[str, Any]] = ()) -> None:
+                 token_file: str | os.PathLike | None = None, timeout: float | None = None,
+                 options: Sequence[tuple[str, Any]] = ()) -> None:
         if (client_cert is None) != (client_key is None):
             raise ValueError("client_cert and client_key go together (mTLS needs both)")
         self.target = target
         self.timeout = timeout
-        self._metadata = ((_AUTH_KEY, f"Bearer {token}"),) if token else None
+        token = resolve_token(token, token_file)
+        self._metadata = ((_AUTH_KEY, f"Bearer {token}"),) if token is not None else None
         if tls or root_certificates is not None or client_cert is not None:
             credentials = grpc.ssl_channel_credentials(
                 root_certificates=_pem(root_certificates, "root_certificates"),

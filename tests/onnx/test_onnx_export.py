@@ -20,7 +20,7 @@ from fixtures.deberta import make_deberta_checkpoint  # noqa: E402
 from relserve.models.onnx import ops as onnx_ops  # noqa: E402
 from relserve.models.checkpoint import load_checkpoint  # noqa: E402
 from relserve.models.onnx.export import export_checkpoint
-from relserve.models.onnx.runtime import make_session  # noqa: E402
+from relserve.models.onnx.runtime import GRAPH_NAME, make_session  # noqa: E402
 from relserve.service.backends.onnx_encoder import OnnxBackend  # noqa: E402
 from relserve.service.backends.torch_encoder import TorchBackend  # noqa: E402
 from relserve.service.config import ModelConfig  # noqa: E402
@@ -214,3 +214,87 @@ def test_export_opsets_and_out_dir_errors(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     assert export_main([str(ckpt), str(tmp_path / "afile" / "sub")]) == 2
     assert "cannot create OUT_DIR" in capsys.readouterr().err
+
+
+def test_parity_tolerance_scales_with_large_logits(tmp_path, unigram_tokenizer_dir):
+    """A correct graph whose logits reach ~40 (the classifier's weights scaled up): with the same tight atol the
+    export's parity check and the server's load-time self-check pass with rtol and fail with rtol=0; report and
+    refusals name atol, rtol, max |diff| and max |diff|/(atol + rtol*|ref|)."""
+    from relserve.models.checkpoint import save_checkpoint
+    from relserve.models.onnx.export import PARITY_RTOL, ExportParityError, parity_report
+    from relserve.service.backends.graph_cache import GraphMismatch
+
+    raw = make_deberta_checkpoint(tmp_path / "raw", version="v3", labels=2, init="spread", seed=4,
+                                  tokenizer_dir=unigram_tokenizer_dir).path
+    loaded = load_checkpoint(raw, load_tokenizer=False)
+    feeds = {"input_ids": np.array([[1, 5, 9, 2], [1, 40, 41, 2]]), "attention_mask": np.ones((2, 4), dtype=np.int64)}
+
+    def logits():
+        with torch.inference_mode():
+            return loaded.model(*(torch.from_numpy(v) for v in feeds.values())).numpy()
+
+    with torch.no_grad():  # scale the head so the logits reach ~40, as a trained classifier's can
+        scale = 40.0 / float(np.abs(logits()).max())
+        loaded.model.classifier.weight.mul_(scale)
+        loaded.model.classifier.bias.mul_(scale)
+    assert 30 < np.abs(logits()).max() < 50  # the point of the test: outputs far from order 1
+    ckpt = tmp_path / "big"
+    save_checkpoint(loaded.model, loaded.config, ckpt, tokenizer_dir=unigram_tokenizer_dir)
+    result = export_checkpoint(ckpt, ckpt / "onnx", progress=None)
+    p = result.report["parity"]
+    assert p["passed"] and p["rtol"] == PARITY_RTOL == 1e-4 and p["atol"] == p["tolerance"] == 1e-4
+    assert {"atol", "rtol", "max_abs_diff", "max_scaled_diff"} <= set(p)
+    assert all({"max_abs_diff", "max_scaled_diff"} <= set(c) for c in p["cases"])
+    assert json.loads((ckpt / "onnx" / "export_report.json").read_text())["parity"] == p
+    worst = p["max_abs_diff"]
+    assert worst > 0
+    tight = worst / 2  # an atol the absolute differences exceed
+    session = make_session(result.graph)
+    relative = parity_report(result.graph, loaded.model, loaded.config, loaded.task, session=session,
+                             tolerance=tight, rtol=1e-4)
+    absolute = parity_report(result.graph, loaded.model, loaded.config, loaded.task, session=session,
+                             tolerance=tight, rtol=0.0)
+    assert relative["passed"] and relative["max_scaled_diff"] <= 1.0
+    assert not absolute["passed"] and absolute["max_scaled_diff"] == pytest.approx(2.0, rel=1e-6)
+    assert absolute["max_abs_diff"] == relative["max_abs_diff"] == worst
+    with pytest.raises(ExportParityError, match=r"max \|diff\| .*max \|diff\|/\(atol \+ rtol\*\|ref\|\) 2 "
+                                                r"\(atol .*, rtol 0\)"):
+        export_checkpoint(ckpt, tmp_path / "refused", progress=None, atol=tight, rtol=0.0)
+
+    # the server's self-check on the warm-up batch (the graph in ckpt/onnx, no export)
+    def backend(**tol):
+        return OnnxBackend(ModelConfig(name="big", path=ckpt, device="cpu", backend="onnx", max_seq_len=64, **tol))
+
+    be = backend()
+    be.load()
+    assert be.graph == ckpt / "onnx" / GRAPH_NAME and 0 < be.parity_diff < 1e-3
+    warm = be.parity_diff
+    backend(onnx_parity_tolerance=warm / 2, onnx_parity_rtol=1e-4).load()  # passes only through rtol
+    with pytest.raises(GraphMismatch, match=r"differs from the torch checkpoint .* max \|diff\|/\(atol \+ "
+                                            r"rtol\*\|ref\|\) 2 \(atol .*, rtol 0\); refusing to serve it"):
+        backend(onnx_parity_tolerance=warm / 2, onnx_parity_rtol=0.0).load()
+
+
+@pytest.mark.parametrize("task", ["classification", "question-answering"])
+def test_exported_graph_passes_strict_shape_inference(tmp_path, task):
+    """onnx strict shape inference and the full checker accept the graph, and ONNX Runtime's ``quantize_dynamic``
+    (which rewrites weights, then runs strict shape inference) quantizes it: no value_info repeats an initializer
+    (a graph that had them failed there with "existing shape differ in dimension 0: (32) vs (2)"); labels !=
+    hidden size so a transposed shape shows."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    ckpt = make_deberta_checkpoint(tmp_path / "ckpt", task=task, version="v3", labels=2, init="spread", seed=4).path
+    result = export_checkpoint(ckpt, tmp_path / "onnx", progress=None, parity=False)
+    model = onnx.load(result.graph)
+    inits = {i.name for i in model.graph.initializer}
+    assert not [vi.name for vi in model.graph.value_info if vi.name in inits]
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, check_type=True)
+    onnx.checker.check_model(inferred, full_check=True)
+    out = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in inferred.graph.output}
+    assert out == ({"logits": ["batch", 2]} if task == "classification"
+                   else {"start_logits": ["batch", "sequence"], "end_logits": ["batch", "sequence"]})
+    quantize_dynamic(result.graph, tmp_path / "q.onnx", weight_type=QuantType.QInt8)
+    feeds = {"input_ids": np.array([[1, 5, 9, 2, 7]]), "attention_mask": np.ones((1, 5), dtype=np.int64)}
+    want = make_session(result.graph).run(None, feeds)
+    got = ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)
+    assert [g.shape for g in got] == [w.shape for w in want] and all(np.isfinite(g).all() for g in got)

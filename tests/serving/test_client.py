@@ -172,6 +172,28 @@ def test_client_cert_needs_its_key():
         Client("127.0.0.1:1", client_cert=b"x")
 
 
+@pytest.mark.parametrize("token", ["", " \n", "tök", "a b", "tok\x00en", "tok\ten", "tok\udcffen"])
+def test_token_that_is_not_header_text_is_a_value_error_naming_it(token):
+    # grpc would only refuse it when a call starts: INTERNAL "Invalid metadata" plus C-core noise on stderr
+    with pytest.raises(ValueError, match="^token ") as info:
+        Client("127.0.0.1:1", token=token)
+    assert token.strip() == "" or token not in str(info.value)
+
+
+def test_token_file_errors_name_it(tmp_path):
+    path = tmp_path / "tokens"
+    with pytest.raises(ValueError, match="^token_file: .*cannot read"):
+        Client("127.0.0.1:1", token_file=path)
+    path.write_text("# only a comment\n\n")
+    with pytest.raises(ValueError, match="^token_file: .*holds no token"):
+        Client("127.0.0.1:1", token_file=path)
+    path.write_text("one\ntwo\n")
+    with pytest.raises(ValueError, match="^token_file .* holds 2 tokens"):
+        Client("127.0.0.1:1", token_file=path)
+    with pytest.raises(ValueError, match="token and token_file"):
+        Client("127.0.0.1:1", token="x", token_file=path)
+
+
 def _wait_serving(client: Client) -> None:
     end = time.monotonic() + 15
     while True:
@@ -199,6 +221,14 @@ def test_tls_mtls_and_token(tmp_path):
                     client_key=pki.client_key.read_bytes(), token=TOKEN, timeout=10) as good:
             _wait_serving(good)
             assert good.classify("sentiment", ["good"]).results[0].labels[0].label == "positive"
+        # a token read from a file keeps its newline (open(path).read()); stripped as the server strips it
+        with Client(target, root_certificates=pki.ca_cert, client_cert=pki.client_cert,
+                    client_key=pki.client_key, token=tokens.read_text(), timeout=10) as read_token:
+            assert read_token.classify("sentiment", ["good"]).results[0].labels[0].label == "positive"
+        tokens.write_text(f"# the client's token\n\n  {TOKEN}  \n")
+        with Client(target, root_certificates=pki.ca_cert, client_cert=pki.client_cert,
+                    client_key=pki.client_key, token_file=tokens, timeout=10) as from_file:
+            assert from_file.classify("sentiment", ["good"]).results[0].labels[0].label == "positive"
         with Client(target, root_certificates=pki.ca_cert, client_cert=pki.client_cert,
                     client_key=pki.client_key, timeout=10) as no_token:
             err = _error(no_token.classify, "sentiment", ["good"])

@@ -6,8 +6,12 @@ bearer tokens, TLS, /metrics and the drain."""
 from __future__ import annotations
 
 import concurrent.futures
+import gzip
 import json
+import logging
+import socket
 import ssl
+import zlib
 import threading
 import time
 import urllib.error
@@ -23,6 +27,8 @@ from fixtures.fake_serving import FakeBackend, model_config, runner, server_conf
 from fixtures.server import Running
 from fixtures.tls import make_pki
 from fixtures.translation import make_tiny_checkpoint
+from relserve.service._proto import grpc_predict_v2_pb2 as v2
+from relserve.service._proto import grpc_predict_v2_pb2_grpc as v2_grpc
 from relserve.service._proto import inference_pb2 as pb
 from relserve.service.backends.base import TASK_CLASSIFICATION, TASK_QA, TASK_TRANSLATION
 from relserve.service.config import ModelConfig
@@ -181,7 +187,8 @@ def test_errors_carry_the_grpc_status_and_message(srv, path, body, rpc, request_
 
 @pytest.mark.parametrize("raw,why", [
     (b'{"model": "sentiment", "texts": [', "not valid JSON"),
-    (b'["good"]', "must be a JSON object"),
+    (b'["good"]', "must be a JSON object, got a list"),
+    (b'null', "must be a JSON object, got null"),
     (b'{"model": "sentiment", "txts": ["good"]}', "txts"),
     (b'{"model": "sentiment", "texts": "good"}', "texts"),
     (b'{"model": "sentiment", "topK": -1}', "topK"),
@@ -298,6 +305,11 @@ def test_v2_qa_and_translate_give_the_v1_answers(srv):
     assert tr.json["outputs"][0]["data"] == [r.hypotheses[0].text for r in v1.results]
 
 
+def _v2(data: list, **tensor) -> dict:
+    """A v2 REST request body of one BYTES input 'text' of shape [len(data)]."""
+    return {"inputs": [{"name": "text", "shape": [len(data)], "datatype": "BYTES", "data": data, **tensor}]}
+
+
 @pytest.mark.parametrize("body,status,needle", [
     ({"inputs": [{"name": "txt", "shape": [1], "datatype": "BYTES", "data": ["good"]}]}, 400, "unknown input 'txt'"),
     ({"inputs": [{"name": "text", "shape": [2], "datatype": "BYTES", "data": ["good"]}]}, 400, "1 elements"),
@@ -309,11 +321,210 @@ def test_v2_qa_and_translate_give_the_v1_answers(srv):
      400, "unknown output 'z'"),
     ({"inputs": [{"name": "text", "datatype": "BYTES", "data": ["x"]}]}, 400, "'shape'"),
     ({"input": []}, 400, "unknown field"),
+    # every field's JSON type is checked (a wrong one was a 500 AttributeError / TypeError)
+    (_v2(["a"], parameters="x"), 400, "inputs[0] ('text'): 'parameters' must be a JSON object, got a string"),
+    ({**_v2(["a"]), "outputs": [{"name": "label", "parameters": "z"}]}, 400,
+     "outputs[0] ('label'): 'parameters' must be a JSON object, got a string"),
+    ({**_v2(["a"]), "outputs": 5}, 400, "'outputs' must be a JSON array of {name, parameters}, got an integer"),
+    ({**_v2(["a"]), "outputs": ["label"]}, 400, "outputs[0] must be a JSON object {name, parameters}, got a string"),
+    ({**_v2(["a"]), "outputs": [{"name": 3}]}, 400, "outputs[0]: 'name' must be a string, got an integer"),
+    ({**_v2(["a"]), "outputs": [{"name": "label", "binary": True}]}, 400, "unknown field(s) ['binary'] in outputs[0]"),
+    ({**_v2(["a"]), "id": 7}, 400, "'id' must be a string, got an integer"),
+    ({**_v2(["a"]), "parameters": []}, 400, "the inference request: 'parameters' must be a JSON object, got a list"),
+    ({"inputs": None}, 400,
+     "'inputs' must be a non-empty JSON array of tensors {name, shape, datatype, data}, got null"),
+    ({"inputs": ["text"]}, 400,
+     "inputs[0] must be a JSON object {name, shape, datatype, parameters, data}, got a string"),
+    ({"inputs": [{"name": 1, "shape": [1], "datatype": "BYTES", "data": ["a"]}]}, 400,
+     "inputs[0]: 'name' must be a string, got an integer"),
+    ({"inputs": [{"name": "text", "shape": [1], "datatype": None, "data": ["a"]}]}, 400,
+     "inputs[0]: 'datatype' must be a string, got null"),
+    ({"inputs": [{"name": "text", "shape": 1, "datatype": "BYTES", "data": ["a"]}]}, 400,
+     "inputs[0]: 'shape' must be a list, got an integer"),
+    ({"inputs": [{"name": "text", "shape": [True], "datatype": "BYTES", "data": ["a"]}]}, 400,
+     "'shape' must be a list of non-negative integers"),
+    ({"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": "a"}]}, 400,
+     "inputs[0] ('text'): 'data' must be a JSON array, got a string"),
+    ({"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES"}]}, 400, "inputs[0] ('text'): 'data' is missing"),
+    ({"inputs": [{**_v2(["a"])["inputs"][0], "contents": []}]}, 400, "unknown field(s) ['contents'] in inputs[0]"),
+    (_v2([5]), 400, "input 'text'[0] is an integer; BYTES elements must be UTF-8 strings"),
+    (_v2(["a"], parameters={"binary_data_size": 1}), 400, "input 'text' has parameter 'binary_data_size'"),
+    # nesting must be flat or exactly as the shape (a [1] tensor nested three deep was accepted)
+    ({"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": [[["a"]]]}]}, 400,
+     "inputs[0] ('text'): data[0] is a list but 'shape' [1] has 1 dimension(s)"),
+    ({"inputs": [{"name": "text", "shape": [2, 1], "datatype": "BYTES", "data": [["a"], "b"]}]}, 400,
+     "data[1] must be a list of length 1 (dimension 1 of 'shape' [2, 1]), got a string"),
+    ({"inputs": [{"name": "text", "shape": [2, 1], "datatype": "BYTES", "data": [["a", "b"]]}]}, 400,
+     "data must be a list of length 2 (dimension 0 of 'shape' [2, 1]), got 1 elements"),
+    ({"inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": [[["a"]]]}]}, 400,
+     "data[0][0] is a list but 'shape' [1, 1] has 2 dimension(s)"),
 ])
 def test_v2_bad_requests(srv, body, status, needle):
     reply = http(srv.base, "POST", "/v2/models/sentiment/infer", body)
     assert reply.status == status and needle in reply.json["error"], reply.json
     assert reply.json["code"] == "INVALID_ARGUMENT"
+
+
+def test_v2_nested_data_as_the_shape_says_is_accepted(srv):
+    flat = http(srv.base, "POST", "/v2/models/sentiment/infer", _v2(["good", "bad"]))
+    assert flat.status == 200, flat.body
+    for shape, data in (([2, 1], [["good"], ["bad"]]), ([2], ["good", "bad"]), ([2, 1], ["good", "bad"])):
+        reply = http(srv.base, "POST", "/v2/models/sentiment/infer",
+                     {"inputs": [{"name": "text", "shape": shape, "datatype": "BYTES", "data": data}]})
+        assert reply.status == 200 and reply.json == flat.json, (shape, data, reply.body)
+    # outputs may say binary_data false (JSON elements, what tritonclient.http sends by default)
+    reply = http(srv.base, "POST", "/v2/models/sentiment/infer",
+                 {**_v2(["good"]), "outputs": [{"name": "label", "parameters": {"binary_data": False}}]})
+    assert reply.status == 200 and reply.json["outputs"][0]["data"] == ["positive"], reply.body
+
+
+@pytest.mark.parametrize("model,body,needle", [
+    ("sentiment", '{"inputs":[{"name":"text","shape":[1],"datatype":"BYTES","data":["\\ud800"]}]}',
+     "input 'text'[0] is not valid UTF-8 text (an unpaired surrogate at character 0)"),
+    ("qa", '{"inputs":[{"name":"question","shape":[1],"datatype":"BYTES","data":["who?"]},'
+           '{"name":"context","shape":[1],"datatype":"BYTES","data":["Al\\ud800ice"]}]}',
+     "input 'context'[0] is not valid UTF-8 text (an unpaired surrogate at character 2)"),
+    ("tr", '{"inputs":[{"name":"text","shape":[2],"datatype":"BYTES","data":["Guten Morgen","\\udfff"]}]}',
+     "input 'text'[1] is not valid UTF-8 text (an unpaired surrogate at character 0)"),
+])
+def test_v2_unpaired_surrogate_is_400_naming_the_element(srv, model, body, needle, caplog):
+    assert "\\ud" in body  # the JSON escape itself: json.loads makes it a lone surrogate str
+    reply = http(srv.base, "POST", f"/v2/models/{model}/infer", raw=body.encode())
+    assert (reply.status, reply.json) == (400, {"error": needle, "code": "INVALID_ARGUMENT"})
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+def _grpc_v2_error(srv, request) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as err:
+        v2_grpc.GRPCInferenceServiceStub(srv.channel).ModelInfer(request, timeout=10)
+    return err.value.code(), err.value.details()
+
+
+def _grpc_v2_request(output_parameters=None, input_parameters=None) -> v2.ModelInferRequest:
+    req = v2.ModelInferRequest(model_name="sentiment")
+    t = req.inputs.add(name="text", datatype="BYTES", shape=[1])
+    t.contents.bytes_contents.append(b"good")
+    for key, value in (input_parameters or {}).items():
+        t.parameters[key].int64_param = value
+    if output_parameters is not None:
+        o = req.outputs.add(name="label")
+        for key, value in output_parameters.items():
+            o.parameters[key].int64_param = value
+    return req
+
+
+@pytest.mark.parametrize("http_body,grpc_request,needle", [
+    (_v2(["good"], parameters={"x": 1}), _grpc_v2_request(input_parameters={"x": 1}),
+     "input 'text' has parameter 'x' = '1': tensor-level parameters (e.g. shared memory) are not supported"),
+    ({**_v2(["good"]), "outputs": [{"name": "label", "parameters": {"classification": 2}}]},
+     _grpc_v2_request(output_parameters={"classification": 2}),
+     "output 'label' has parameter 'classification' = '2': the classification extension is not supported"),
+    ({**_v2(["good"]), "outputs": [{"name": "label", "parameters": {"class_count": 2}}]},
+     _grpc_v2_request(output_parameters={"class_count": 2}), "output 'label' has parameter 'class_count'"),
+])
+def test_v2_tensor_parameters_follow_one_rule_on_http_and_grpc(srv, http_body, grpc_request, needle):
+    reply = http(srv.base, "POST", "/v2/models/sentiment/infer", http_body)
+    code, details = _grpc_v2_error(srv, grpc_request)
+    assert (reply.status, reply.json["code"], code) == (400, "INVALID_ARGUMENT", grpc.StatusCode.INVALID_ARGUMENT)
+    assert reply.json["error"] == details and needle in details, (reply.json, details)
+
+
+def test_v2_fp32_outputs_are_the_grpc_float32_values(srv):
+    texts = ["good good movie", "bad bad", "good bad good"]
+    reply = http(srv.base, "POST", "/v2/models/sentiment/infer",
+                 {"inputs": [{"name": "text", "shape": [3], "datatype": "BYTES", "data": texts}],
+                  "parameters": {"function_to_apply": "sigmoid"}})
+    assert reply.status == 200, reply.body
+    req = v2.ModelInferRequest(model_name="sentiment")
+    req.parameters["function_to_apply"].string_param = "sigmoid"
+    req.inputs.add(name="text", datatype="BYTES", shape=[3]).contents.bytes_contents.extend(t.encode() for t in texts)
+    grpc_reply = v2_grpc.GRPCInferenceServiceStub(srv.channel).ModelInfer(req, timeout=10)
+    http_probabilities = reply.json["outputs"][0]["data"]
+    assert http_probabilities == list(grpc_reply.outputs[0].contents.fp32_contents)  # exactly, not approx
+
+
+def _errors_logged(caplog) -> list[str]:
+    """Log records at ERROR or with a traceback (a client's mistake must produce neither)."""
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+def test_content_encoding(srv, caplog):
+    caplog.set_level(logging.WARNING)
+    body = json.dumps(_v2(["good", "bad"])).encode()
+    plain = http(srv.base, "POST", "/v2/models/sentiment/infer", raw=body)
+    assert plain.status == 200
+    for encoding, encoded in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body)),
+                              ("identity", body), ("gzip, identity", gzip.compress(body))):
+        reply = http(srv.base, "POST", "/v2/models/sentiment/infer", raw=encoded,
+                     headers={"Content-Encoding": encoding})
+        assert (reply.status, reply.json) == (200, plain.json), (encoding, reply.body)
+    v1 = http(srv.base, "POST", "/v1/classify", raw=gzip.compress(b'{"model": "sentiment", "texts": ["good"]}'),
+              headers={"Content-Encoding": "gzip"})
+    assert v1.status == 200 and v1.json["results"][0]["labels"][0]["label"] == "positive", v1.body
+    # labelled gzip but not gzip (was a 500 and tracebacks), or cut short
+    for path in ("/v2/models/sentiment/infer", "/v1/classify"):
+        bad = http(srv.base, "POST", path, raw=b"not gzip at all", headers={"Content-Encoding": "gzip"})
+        assert bad.status == 400 and bad.json["code"] == "INVALID_ARGUMENT", bad.body
+        assert "the request body is not valid gzip data as its Content-Encoding 'gzip' says" in bad.json["error"]
+    cut = http(srv.base, "POST", "/v2/models/sentiment/infer", raw=gzip.compress(body)[:-12],
+               headers={"Content-Encoding": "gzip"})
+    assert (cut.status, cut.json["code"]) == (400, "INVALID_ARGUMENT"), cut.body
+    assert "not one complete gzip stream" in cut.json["error"]
+    # an encoding the server cannot decode (was a plain-text 400 from aiohttp's parser and a traceback)
+    for encoding in ("br", "zstd", "gzip, br"):
+        reply = http(srv.base, "POST", "/v2/models/sentiment/infer", raw=body, headers={"Content-Encoding": encoding})
+        assert reply.status == 415 and reply.headers["Content-Type"].startswith("application/json"), reply.body
+        assert reply.json == {"error": f"Content-Encoding '{encoding}' is not supported; send the body "
+                                       f"uncompressed, gzip or deflate", "code": "UNIMPLEMENTED"}
+    assert _errors_logged(caplog) == []
+
+
+def _raw_exchange(port: int, data: bytes) -> bytes:
+    """Send ``data`` on a fresh connection and read until the server closes it."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(data)
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+    return reply
+
+
+@pytest.mark.parametrize("data,reason", [
+    (b"GARBAGE\r\n\r\n", None),  # aiohttp logs a first request's bad method at DEBUG only
+    (b"GET /v2 HTTP/1.1\r\nHost: x\r\nNoColonHere\r\n\r\n", "Invalid header token"),
+    (b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n", "Content-Length"),
+    (b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+     "chunk size"),
+    (b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"mod\r\nzz\r\n",
+     "chunk size"),  # the body breaks off after the route started reading it
+])
+def test_malformed_http_is_400_with_one_warning_line_and_no_traceback(srv, caplog, data, reason):
+    caplog.set_level(logging.WARNING)
+    reply = _raw_exchange(srv.server.http_port, data)
+    assert reply.startswith(b"HTTP/1.") and b" 400 " in reply.split(b"\r\n", 1)[0], reply[:200]
+    assert _errors_logged(caplog) == []
+    warnings = [r.getMessage() for r in caplog.records if r.name == "relserve.service.http_api"]
+    if reason is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+        assert warnings[0].startswith("refused a malformed HTTP request from 127.0.0.1: 400 ") and reason in warnings[0]
+    # the server keeps answering
+    assert http(srv.base, "GET", "/v2/health/live").json == {"live": True}
+
+
+def test_client_closing_mid_body_is_cancelled_without_a_traceback(srv, caplog):
+    caplog.set_level(logging.WARNING)
+    before = count("_unknown_", "_unknown_", "CANCELLED")
+    with socket.create_connection(("127.0.0.1", srv.server.http_port), timeout=10) as conn:
+        conn.sendall(b"POST /v2/models/sentiment/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"in")
+        conn.shutdown(socket.SHUT_WR)
+        assert conn.recv(65536) == b""  # closed unanswered: the client is gone
+    end = time.monotonic() + 10
+    while count("_unknown_", "_unknown_", "CANCELLED") == before and time.monotonic() < end:
+        time.sleep(0.01)
+    assert count("_unknown_", "_unknown_", "CANCELLED") == before + 1
+    assert _errors_logged(caplog) == []
 
 
 def test_v2_unknown_model_and_wrong_method(srv):
@@ -370,6 +581,9 @@ def test_tokens_on_tls(secure):
         assert refused.status == 401 and refused.json["code"] == "UNAUTHENTICATED", refused.body
         assert refused.headers["WWW-Authenticate"] == "Bearer"
         assert "s3cret" not in refused.json["error"] and "wrong" not in refused.json["error"]
+        assert "metadata" not in refused.json["error"] and "'authorization" not in refused.json["error"]
+        if not headers:  # the HTTP words: a header, spelled as clients send it
+            assert refused.json["error"] == "missing 'Authorization' header; send 'Authorization: Bearer <token>'"
     assert count("_unknown_", TASK_CLASSIFICATION, "UNAUTHENTICATED") == before + 3
     infer = {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["good"]}]}
     assert http(secure.base, "POST", "/v2/models/sentiment/infer", infer, context=secure.tls).status == 401
@@ -385,6 +599,12 @@ def test_body_over_max_receive_message_length_is_413(secure):
     reply = http(secure.base, "POST", "/v1/classify", body, headers=AUTH, context=secure.tls)
     assert reply.status == 413 and reply.json["code"] == "RESOURCE_EXHAUSTED"
     assert "max_receive_message_length of 4096 bytes" in reply.json["error"]
+    # also when a small gzip body decodes to more than the limit
+    small = gzip.compress(json.dumps(body).encode())
+    assert len(small) < 4096
+    bomb = http(secure.base, "POST", "/v1/classify", raw=small, headers={**AUTH, "Content-Encoding": "gzip"},
+                context=secure.tls)
+    assert bomb.status == 413 and "max_receive_message_length of 4096 bytes" in bomb.json["error"], bomb.body
     # a reply over max_send_message_length is refused as on gRPC
     big = http(secure.base, "POST", "/v1/classify", {"model": "sentiment", "texts": ["good"] * 200},
                headers=AUTH, context=secure.tls)

@@ -3,7 +3,8 @@ tiny checkpoints (DeBERTa classification and QA, RNNsearch translation) loaded b
 
 (a) Our own generated stubs: every RPC, typed and raw (length-prefixed) BYTES, answers equal to relserve.v1's
 for the same inputs, parameters, requested outputs, errors (each INVALID_ARGUMENT / NOT_FOUND naming what was
-wrong), metrics labels, token auth (probes open unless auth_health), readiness before warm-up and in a drain.
+wrong), metrics labels, token auth (probes open unless auth_health), readiness before warm-up and in a drain;
+the HTTP/JSON v2 route of the same server gives exactly the same FP32 values and tensor-parameter refusals.
 
 (b) tritonclient[grpc]==2.73.0 as a real third-party client. It needs protobuf<7 while relserve runs protobuf 7,
 and both define the proto package ``inference``, so it runs in its own venv
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -64,9 +66,10 @@ def checkpoints(unigram_tokenizer_dir, tmp_path_factory):
 def srv(checkpoints):
     cfg = dict(device="cpu", max_seq_len=64, doc_stride=16, max_queue_delay=0.002)
     runners = [build_runner(ModelConfig(name=name, path=path, **cfg)) for name, path in checkpoints.items()]
-    s = Running(server_config(), runners)
+    s = Running(server_config(http_port=0), runners)
     s.wait_serving(timeout=120)
     s.v2 = v2_grpc.GRPCInferenceServiceStub(s.channel)
+    s.http_base = f"http://127.0.0.1:{s.server.http_port}"
     yield s
     s.close()
 
@@ -309,7 +312,19 @@ def test_errors_name_what_was_wrong(srv):
     _invalid(srv, req, "raw_input_contents has 2 entries but the request has 1 inputs")
     req = _request("cls", {"text": TEXTS})
     req.inputs[0].parameters["shared_memory_region"].string_param = "r"
-    _invalid(srv, req, "input tensor parameters")
+    _invalid(srv, req, "input 'text' has parameter 'shared_memory_region' = 'r'", "not supported")
+    req = _request("cls", {"text": TEXTS}, outputs=["label"])
+    req.outputs[0].parameters["classification"].int64_param = 2
+    _invalid(srv, req, "output 'label' has parameter 'classification' = '2'", "request the 'label' output")
+    req = _request("cls", {"text": TEXTS}, outputs=["label"])
+    req.outputs[0].parameters["binary_data"].bool_param = True
+    _invalid(srv, req, "output 'label' has parameter 'binary_data' = 'True'", "binary tensor data is not supported")
+    req = _request("cls", {"text": TEXTS})
+    req.inputs[0].parameters["binary_data_size"].int64_param = 9
+    _invalid(srv, req, "input 'text' has parameter 'binary_data_size'")
+    req = _request("cls", {"text": TEXTS}, outputs=["label"])
+    req.outputs[0].parameters["binary_data"].bool_param = False  # JSON / typed elements: the one accepted value
+    assert _outputs(srv.v2.ModelInfer(req, timeout=30))["label"][0] == [2]
 
     code, details = _code(srv.v2.ModelInfer, _request("nope", {"text": TEXTS}), timeout=5)
     assert code == grpc.StatusCode.NOT_FOUND and "'nope'" in details
@@ -325,6 +340,29 @@ def test_errors_name_what_was_wrong(srv):
                                       request_serializer=lambda b: b, response_deserializer=lambda b: b)
     code, details = _code(garbage, b"\x0a\xff\xff", timeout=5)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "inference.ModelInferRequest" in details
+
+
+def _http_infer(srv, model: str, body: dict) -> dict[str, list]:
+    request = urllib.request.Request(f"{srv.http_base}/v2/models/{model}/infer", data=json.dumps(body).encode(),
+                                     method="POST", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        return {t["name"]: t["data"] for t in json.loads(reply.read())["outputs"]}
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_http_fp32_values_equal_grpc_exactly(srv, raw):
+    # the real checkpoints' scores are not float32 values before rounding (the HTTP reply printed float64s)
+    for function in ("softmax", "sigmoid"):
+        out, _ = _infer(srv, "cls", {"text": TEXTS}, raw=raw, function_to_apply=function)
+        http_out = _http_infer(srv, "cls", {"parameters": {"function_to_apply": function}, "inputs": [
+            {"name": "text", "shape": [2], "datatype": "BYTES", "data": TEXTS}]})
+        assert http_out["probabilities"] == out["probabilities"][1], function  # ==, not approx
+    out, _ = _infer(srv, "qa", {"question": QUESTIONS, "context": CONTEXTS}, raw=raw, top_k=3)
+    http_out = _http_infer(srv, "qa", {"parameters": {"top_k": 3}, "inputs": [
+        {"name": "question", "shape": [2], "datatype": "BYTES", "data": QUESTIONS},
+        {"name": "context", "shape": [2], "datatype": "BYTES", "data": CONTEXTS}]})
+    assert http_out["score"] == out["score"][1]
+    assert http_out["start"] == out["start"][1] and http_out["answer"] == out["answer"][1]
 
 
 def _requests_total(model: str, task: str, code: str) -> float:

@@ -189,6 +189,40 @@ def test_default_doc_stride_is_lowered_for_a_long_question(srv, tok):
     assert reply.num_windows == qa_window_count(len(tok.tokenize(context)[0]), room, room - room // 2)
 
 
+def test_unset_doc_stride_is_lowered_to_a_short_window_models_limit(unigram_tokenizer_dir, tmp_path, caplog):
+    """A QA checkpoint with 128 positions: the default 128 is over its limit of 62, so an unset doc_stride
+    becomes 62 at load (logged) and requests with doc_stride 0 use it; a configured 128 is still refused."""
+    import logging
+
+    from relserve.service.config import ConfigError
+
+    ckpt = make_deberta_checkpoint(tmp_path / "qa128", task="question-answering",
+                                   tokenizer_dir=unigram_tokenizer_dir, init="spread", seed=4,
+                                   max_position_embeddings=128).path
+    with pytest.raises(ConfigError, match=r"model 'qa128': doc_stride 128 is over the limit of 62 tokens for "
+                                          r"max_seq_len 128"):
+        build_runner(ModelConfig(name="qa128", path=ckpt, device="cpu", doc_stride=128, warmup=False)).load()
+    with caplog.at_level(logging.INFO, logger="relserve.service.runner"):
+        probe = build_runner(ModelConfig(name="qa128", path=ckpt, device="cpu", warmup=False))
+        probe.load()
+    assert probe.max_seq_len == 128 and probe.config.doc_stride == 62
+    assert "model 'qa128': doc_stride 62 (the default 128 is over the limit of 62 tokens for max_seq_len 128)" \
+        in caplog.text
+    s = Running(server_config(metrics_port=None),
+                [build_runner(ModelConfig(name="qa128", path=ckpt, device="cpu", max_queue_delay=0.002))])
+    try:
+        s.wait_serving(30)
+        tok = load_tokenizer(ckpt)
+        question, context = "Ann?", _prose(3000)
+        room = 128 - 3 - len(tok.tokenize(question)[0])
+        reply = s.stub.Answer(pb.AnswerRequest(model="qa128", question=question, context=context), timeout=60)
+        stride = min(62, room // 2)  # the model's default, lowered to this question's limit if need be
+        assert reply.num_windows == qa_window_count(len(tok.tokenize(context)[0]), room, room - stride)
+        assert reply.num_windows > 1 and reply.answers
+    finally:
+        s.close()
+
+
 def test_huge_qa_context_is_refused_naming_max_qa_windows(srv):
     code, details = _code(srv.stub.Answer, pb.AnswerRequest(model="qa", question=QUESTION,
                                                             context=_prose(999_000)), timeout=30)

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -183,6 +184,70 @@ def test_unknown_model_fails_fast_listing_the_served_models(srv, tmp_path, capsy
     assert after.get("relserve_requests_total") - before.get("relserve_requests_total") == 2
     assert (after.get("relserve_requests_total", task="list_models")
             - before.get("relserve_requests_total", task="list_models")) == 2
+
+
+def test_tls_mtls_and_token_server(tmp_path, capsys):
+    """A server with TLS, client certificates and a bearer token: the run needs --tls-ca, --tls-cert/--tls-key
+    and the token (sent on ListModels and every request); without the token it exits 1 naming --token."""
+    from fixtures.server import Running
+    from fixtures.tls import make_pki
+    from relserve.client import Client
+
+    pki = make_pki(tmp_path / "pki")
+    token = "loadtest-token-0123456789"
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"# for the load test\n{token}\n")
+    s = Running(server_config(metrics_port=None, tls_cert=pki.server_cert, tls_key=pki.server_key,
+                              tls_client_ca=pki.ca_cert, auth_token_file=tokens), [runner("lt-sentiment")])
+    target = f"127.0.0.1:{s.port}"
+    tls = ["--tls-ca", str(pki.ca_cert), "--tls-cert", str(pki.client_cert), "--tls-key", str(pki.client_key)]
+
+    def run(*flags: str) -> tuple[int, dict]:
+        out = tmp_path / "out"
+        rc = cli.main(["run", "--target", target, "--metrics-url", "none", "--out", str(out), "--no-progress",
+                       "--name", "r", "--no-plots", "--requests", "20", "--concurrency", "2",
+                       "--connect-timeout", "5", *flags])
+        path = out / "r.json"
+        result = json.loads(path.read_text()) if path.exists() else {}
+        if path.exists():
+            path.unlink()
+        return rc, result
+
+    try:
+        with Client(target, root_certificates=pki.ca_cert, client_cert=pki.client_cert,
+                    client_key=pki.client_key, token=token, timeout=5) as client:
+            deadline = time.monotonic() + 15
+            while client.list_models().models == [] and time.monotonic() < deadline:
+                time.sleep(0.02)  # models load in the background
+        rc, out = run(*tls, "--token-file", str(tokens))
+        assert rc == 0 and out["requests"] == 20 and out["successes"] == 20, out
+        assert out["config"]["tls"] and out["config"]["mtls"] and out["config"]["token"]
+        assert token not in json.dumps(out)
+        rc, out = run(*tls, "--token", token + "\n")  # stripped like the server strips its file's lines
+        assert rc == 0 and out["successes"] == 20
+        capsys.readouterr()
+
+        rc, out = run(*tls)
+        err = capsys.readouterr().err
+        assert rc == 1 and out == {}
+        assert "UNAUTHENTICATED" in err and "--token" in err, err
+        rc, _ = run(*tls, "--token", "wrong-token")
+        err = capsys.readouterr().err
+        assert rc == 1 and "UNAUTHENTICATED" in err and "--token" in err and "wrong-token" not in err
+    finally:
+        s.close()
+
+
+def test_tls_and_token_flags_are_checked_before_connecting(tmp_path, capsys):
+    base = ["run", "--target", "127.0.0.1:1", "--metrics-url", "none", "--out", str(tmp_path)]
+    for flags, message in ((["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
+                           (["--tls-ca", str(tmp_path / "none.pem")], "--tls-ca: cannot read"),
+                           (["--token", " "], "--token is empty"),
+                           (["--token", "t\u00f6k"], "--token must be printable ASCII"),
+                           (["--token-file", str(tmp_path / "none")], "--token-file: ")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(base + flags)
+        assert e.value.code == 2 and message in capsys.readouterr().err, flags
 
 
 def test_bad_arguments_exit_2():

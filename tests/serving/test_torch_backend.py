@@ -96,3 +96,25 @@ def test_tokenizer_larger_than_the_embedding_table_is_refused(unigram_tokenizer_
     with pytest.raises(CheckpointError, match=rf"tokenizer has {vocab} tokens but the model's vocab_size is {vocab - 10}"):
         load_checkpoint(ckpt)
     assert load_checkpoint(ckpt, load_tokenizer=False).config.vocab_size == vocab - 10
+
+
+def test_special_token_id_past_the_embedding_table_is_refused_at_load(unigram_tokenizer_dir, tmp_path):
+    """A tokenizer no larger than vocab_size whose post-processor adds a [CLS] id past it: every request (the
+    warm-up's first) would fail with ``IndexError: index out of range in self``; the backend's load refuses it
+    naming both files and both numbers."""
+    import json
+
+    from relserve.models.checkpoint import CheckpointError
+
+    ckpt = make_deberta_checkpoint(tmp_path / "ckpt", tokenizer_dir=unigram_tokenizer_dir).path
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    spec = json.loads((ckpt / "tokenizer.json").read_text())
+    assert spec["post_processor"]["type"] == "TemplateProcessing"
+    spec["post_processor"]["special_tokens"]["[CLS]"]["ids"] = [vocab + 100]
+    (ckpt / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(CheckpointError) as info:
+        _backend(ckpt)
+    message = str(info.value)
+    assert f"{ckpt / 'tokenizer.json'} and {ckpt / 'config.json'}:" in message
+    assert f"special token id(s) up to {vocab + 100} (cls_token_id)" in message
+    assert f"the model's vocab_size is {vocab}" in message

@@ -37,7 +37,7 @@ def test_config_file_cli_and_model_specs(tmp_path):
     assert cfg.max_receive_message_length == 8 * MIB and cfg.max_send_message_length == 4 * MIB
     a, b = cfg.model("a"), cfg.model("b")
     assert a.path == tmp_path / "m1" and a.max_batch_size == 4 and a.max_queue_delay == 0.0
-    assert b.max_batch_size == 8 and b.warmup is False and b.max_batch_tokens == 8192 and b.doc_stride == 128
+    assert b.max_batch_size == 8 and b.warmup is False and b.max_batch_tokens == 8192 and b.doc_stride is None
     assert a.resolved_max_seq_len(None) == 512 and a.resolved_max_seq_len(128) == 128
 
 
@@ -76,10 +76,37 @@ def test_onnx_keys_and_cache_dir(tmp_path, monkeypatch):
     assert default_onnx_cache_dir({}) == Path.home() / ".cache" / "relserve" / "onnx"
 
 
+def test_onnx_parity_rtol_key(tmp_path):
+    m = load_config(model_specs=[f"a={tmp_path}"]).model("a")
+    assert (m.onnx_parity_tolerance, m.onnx_parity_rtol) == (1e-3, 1e-4)
+    m = load_config(model_specs=[f"a={tmp_path},onnx_parity_tolerance=1e-5,onnx_parity_rtol=0"]).model("a")
+    assert (m.onnx_parity_tolerance, m.onnx_parity_rtol) == (1e-5, 0.0)
+    for bad in ("-1e-4", "1", "nan"):
+        with pytest.raises(ConfigError, match=r"onnx_parity_rtol must be >= 0 and < 1 .* got"):
+            load_config(model_specs=[f"a={tmp_path},onnx_parity_rtol={bad}"])
+
+
 def test_max_request_batch_share(tmp_path):
     assert load_config(model_specs=[f"a={tmp_path}"]).model("a").max_request_batch_share == 0.5
     m = load_config(model_specs=[f"a={tmp_path},max_request_batch_share=1"]).model("a")
     assert m.max_request_batch_share == 1.0
+
+
+def test_doc_stride_unset_is_128_or_the_limit_explicit_is_checked(tmp_path):
+    # unset: 128, lowered to (max_seq_len - 4) // 2 for a short window instead of refusing to load
+    m = load_config(model_specs=[f"a={tmp_path},max_seq_len=128"]).model("a")
+    assert m.doc_stride is None
+    assert (m.resolved_doc_stride(128), m.resolved_doc_stride(260), m.resolved_doc_stride(512)) == (62, 128, 128)
+    # explicit: kept when it fits, refused naming the limit when it does not
+    m = load_config(model_specs=[f"a={tmp_path},doc_stride=100"]).model("a")
+    assert m.resolved_doc_stride(512) == 100
+    with pytest.raises(ConfigError, match=r"model 'a': doc_stride 100 is over the limit of 62 tokens for max_seq_len "
+                                          r"128"):
+        m.resolved_doc_stride(128)
+    with pytest.raises(ConfigError, match="doc_stride 128 is over the limit of 62"):
+        load_config(model_specs=[f"a={tmp_path},max_seq_len=128,doc_stride=128"])
+    with pytest.raises(ConfigError, match="doc_stride must be >= 1"):
+        load_config(model_specs=[f"a={tmp_path},doc_stride=0"])
 
 
 def test_request_limit_keys(tmp_path):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 
@@ -89,6 +90,21 @@ def test_clear_errors(tmp_path, argv, environ, message):
     fill = {"ckpt": str(ckpt), "tmp": str(tmp_path)}
     with pytest.raises(ConfigError, match=message):
         _config([a.format(**fill) for a in argv], {k: v.format(**fill) for k, v in environ.items()})
+
+
+@pytest.mark.parametrize("source,argv,environ", [
+    ("--model-options", ["--model-options=device=cpu,bogus=1"], {}),
+    ("$RELSERVE_MODEL_OPTIONS", [], {"RELSERVE_MODEL_OPTIONS": "bogus=1"}),
+])
+def test_unknown_option_lists_only_the_keys_an_option_may_set(tmp_path, source, argv, environ):
+    ckpt = _checkpoint(tmp_path / "ckpt")
+    with pytest.raises(ConfigError) as info:
+        _config([f"--model-dir={ckpt}", "--model-name=m", *argv], environ)
+    message = str(info.value)
+    assert message.startswith(f"{source} ") and "unknown key(s) ['bogus']; allowed: [" in message
+    allowed = ast.literal_eval(message.split("allowed: ", 1)[1])  # the list the message prints
+    assert "device" in allowed and "doc_stride" in allowed and "max_batch_size" in allowed
+    assert "name" not in allowed and "path" not in allowed  # refused by this flag: not offered
 
 
 def test_main_reports_a_model_dir_error_as_a_configuration_error(tmp_path, capsys):
