@@ -20,6 +20,14 @@ Inference-oriented choices (numerically equivalent on real tokens):
   *queries*; that changes only the (meaningless) outputs at padded positions, never those of real tokens.
 * Attention runs through ``torch.nn.functional.scaled_dot_product_attention`` with the relative-position
   bias as its additive mask.
+* Unpadded execution (eager mode, batches with padding, :attr:`DebertaModel.unpadded`): the real tokens are
+  gathered once per forward into a packed ``[N, H]`` tensor (N = real tokens; FasterTransformer's "remove
+  padding", TEI's ragged batches) on which embeddings, the Q/K/V projections, attention output, feed-forward
+  and every LayerNorm run, so their FLOPs follow N rather than B·T. Only the attention core (scores, c2p/p2c,
+  softmax, context) scatters Q/K/V into the padded ``[B, n, T, d]`` layout (zeros at padding, which the key
+  mask hides), and so does v2's convolution; the model returns the padded ``[B, T, H]`` state with zeros at
+  padded positions. Real-token outputs equal the padded path's up to float rounding. Exports, traces and
+  batches without padding run the padded path (no data-dependent shapes in a graph; nothing to save).
 
 ``relative_attention_type: "t5"`` swaps disentangled attention for the T5 relative position bias (Raffel et
 al. 2020): a learned scalar per (bucket, head), table ``encoder.relative_attention_bias``, added to the
@@ -55,6 +63,8 @@ RELATIVE_ATTENTION_TYPES = ("deberta", "t5")
 
 __all__ = [
     "DebertaConfig",
+    "TokenPacking",
+    "set_unpadded",
     "normalise_pos_att_type",
     "DebertaEmbeddings",
     "DisentangledSelfAttention",
@@ -291,6 +301,65 @@ def activation(name: str):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Unpadded (packed) execution
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TokenPacking:
+    """Where the N real tokens of a padded ``[B, T]`` batch sit, computed once per forward from the mask.
+
+    ``batch``, ``pos``: Long[N], the (row, position) of each real token in row-major order; ``flat``: Long[N],
+    ``batch * T + pos``. :meth:`gather` takes ``[B, T, ...]`` to the packed ``[N, ...]``, :meth:`scatter` the
+    reverse with zeros at padded positions.
+    """
+
+    batch: torch.Tensor
+    pos: torch.Tensor
+    flat: torch.Tensor
+    B: int
+    T: int
+
+    @classmethod
+    def from_mask(cls, mask: torch.Tensor) -> "TokenPacking":
+        """mask Bool[B, T] (True = real token; any pattern, not only right padding)."""
+        B, T = mask.shape
+        flat = mask.reshape(-1).nonzero().squeeze(1)  # one host sync per forward (N is data-dependent)
+        return cls(batch=flat // T, pos=flat % T, flat=flat, B=B, T=T)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.flat.numel())
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Float[B, T, ...] (any strides) -> Float[N, ...]."""
+        return x[self.batch, self.pos]
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Float[N, ...] -> Float[B, T, ...], zeros at padded positions."""
+        out = x.new_zeros((self.B * self.T, *x.shape[1:]))
+        return out.index_copy_(0, self.flat, x).view(self.B, self.T, *x.shape[1:])
+
+
+def _graph_capture() -> bool:
+    """True while torch.export / dynamo / jit traces (the ONNX exporters run one of these): those must see the
+    padded path (static shape arithmetic only; the packed path has a data-dependent token count). No
+    ``torch.onnx`` check: touching ``torch.onnx`` imports it into every serving process."""
+    return bool(torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.compiler.is_exporting())
+
+
+def set_unpadded(model: nn.Module, enabled: bool) -> int:
+    """Switch unpadded execution on or off for every :class:`DebertaModel` inside ``model``; returns how many
+    were set (0: the model has no DeBERTa encoder, nothing changes)."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, DebertaModel):
+            m.unpadded = bool(enabled)
+            n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Embeddings
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -313,17 +382,32 @@ class DebertaEmbeddings(nn.Module):
         self.max_position_embeddings = config.max_position_embeddings
 
     def forward(
-        self, input_ids: torch.Tensor, mask: torch.Tensor, token_type_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        pack: TokenPacking | None = None,
     ) -> torch.Tensor:
-        """input_ids Long[B,T], mask Bool[B,T] (True = real token), token_type_ids Long[B,T] -> Float[B,T,H]."""
+        """input_ids Long[B,T], mask Bool[B,T] (True = real token), token_type_ids Long[B,T] -> Float[B,T,H],
+        or with ``pack`` the real tokens only, Float[N,H].
+
+        Raises:
+            ValueError: T > ``max_position_embeddings`` (absolute positions on).
+        """
         T = input_ids.shape[1]
-        x = self.word_embeddings(input_ids)  # [B, T, E]
+        if pack is not None:  # look up only the real tokens: everything below is per token
+            input_ids = pack.gather(input_ids)  # [N]
+            token_type_ids = pack.gather(token_type_ids) if token_type_ids is not None else None
+        x = self.word_embeddings(input_ids)  # [B, T, E] | [N, E]
         if self.position_embeddings is not None:
             if T > self.max_position_embeddings:
                 raise ValueError(
                     f"sequence length {T} exceeds max_position_embeddings={self.max_position_embeddings}"
                 )
-            x = x + self.position_embeddings.weight[:T]  # [T, E] broadcast over B
+            if pack is None:
+                x = x + self.position_embeddings.weight[:T]  # [T, E] broadcast over B
+            else:
+                x = x + self.position_embeddings.weight[pack.pos]  # [N, E]
         if self.token_type_embeddings is not None:
             if token_type_ids is None:
                 x = x + self.token_type_embeddings.weight[0]
@@ -332,7 +416,8 @@ class DebertaEmbeddings(nn.Module):
         if self.embed_proj is not None:
             x = self.embed_proj(x)  # [B, T, E] -> [B, T, H]
         x = self.LayerNorm(x)
-        x = x * mask.unsqueeze(-1).to(x.dtype)
+        if pack is None:  # packed rows are all real tokens: nothing to zero
+            x = x * mask.unsqueeze(-1).to(x.dtype)
         return self.dropout(x)
 
 
@@ -420,13 +505,27 @@ class DisentangledSelfAttention(nn.Module):
         )  # [B, n, T, T]
 
     def forward(
-        self, hidden_states: torch.Tensor, key_mask: torch.Tensor, rel: RelativeContext | None
+        self,
+        hidden_states: torch.Tensor,
+        key_mask: torch.Tensor,
+        rel: RelativeContext | None,
+        pack: TokenPacking | None = None,
     ) -> torch.Tensor:
-        """hidden_states Float[B,T,H], key_mask Bool[B,1,1,T] (True = attend) -> context Float[B,T,H]."""
-        B, T, H = hidden_states.shape
-        q = self._heads(self.query_proj(hidden_states))  # [B, n, T, d]
-        k = self._heads(self.key_proj(hidden_states))
-        v = self._heads(self.value_proj(hidden_states))
+        """hidden_states Float[B,T,H], key_mask Bool[B,1,1,T] (True = attend) -> context Float[B,T,H].
+
+        With ``pack``: hidden_states and the result are the packed Float[N,H]; the projections run packed and
+        only Q/K/V are scattered to the padded layout for the attention core (zeros at padding, masked keys).
+        """
+        if pack is None:
+            B, T, H = hidden_states.shape
+            q = self._heads(self.query_proj(hidden_states))  # [B, n, T, d]
+            k = self._heads(self.key_proj(hidden_states))
+            v = self._heads(self.value_proj(hidden_states))
+        else:
+            B, T, H = pack.B, pack.T, hidden_states.shape[-1]
+            q = self._heads(pack.scatter(self.query_proj(hidden_states)))  # [N, H] -> [B, n, T, d]
+            k = self._heads(pack.scatter(self.key_proj(hidden_states)))
+            v = self._heads(pack.scatter(self.value_proj(hidden_states)))
         bias = self.relative_bias(q, k, rel) if rel is not None else None
         neg = torch.finfo(q.dtype).min
         if bias is None:
@@ -440,6 +539,8 @@ class DisentangledSelfAttention(nn.Module):
             dropout_p=self.attention_probs_dropout_prob if self.training else 0.0,
             scale=self.inv_scale,
         )  # [B, n, T, d]
+        if pack is not None:
+            return pack.gather(ctx.transpose(1, 2)).reshape(-1, H)  # [N, n, d] -> [N, H]
         return ctx.transpose(1, 2).reshape(B, T, H)
 
 
@@ -462,8 +563,13 @@ class DebertaAttention(nn.Module):
         self.self = config.make_self_attention()
         self.output = DebertaSelfOutput(config)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor, rel: RelativeContext | None) -> torch.Tensor:
-        return self.output(self.self(x, key_mask, rel), x)
+    def forward(
+        self, x: torch.Tensor, key_mask: torch.Tensor, rel: RelativeContext | None, pack: TokenPacking | None = None
+    ) -> torch.Tensor:
+        """x Float[B,T,H] (or packed Float[N,H] with ``pack``) -> the same shape."""
+        if pack is None:  # keep the 3-argument call for self-attention modules without packing support
+            return self.output(self.self(x, key_mask, rel), x)
+        return self.output(self.self(x, key_mask, rel, pack), x)
 
 
 class DebertaIntermediate(nn.Module):
@@ -496,8 +602,11 @@ class DebertaLayer(nn.Module):
         self.intermediate = DebertaIntermediate(config)
         self.output = DebertaOutput(config)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor, rel: RelativeContext | None) -> torch.Tensor:
-        a = self.attention(x, key_mask, rel)
+    def forward(
+        self, x: torch.Tensor, key_mask: torch.Tensor, rel: RelativeContext | None, pack: TokenPacking | None = None
+    ) -> torch.Tensor:
+        """x Float[B,T,H] (or packed Float[N,H] with ``pack``: the dense layers then see real tokens only)."""
+        a = self.attention(x, key_mask, rel, pack)
         return self.output(self.intermediate(a), a)
 
 
@@ -587,28 +696,46 @@ class DebertaEncoder(nn.Module):
             table = self.LayerNorm(table)
         return RelativeContext(rel_embeddings=table, relative_pos=rel)
 
-    def forward(self, embeddings: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """embeddings Float[B,T,H], mask Bool[B,T] -> last hidden state Float[B,T,H]."""
-        T = embeddings.shape[1]
+    def forward(self, embeddings: torch.Tensor, mask: torch.Tensor, pack: TokenPacking | None = None) -> torch.Tensor:
+        """embeddings Float[B,T,H], mask Bool[B,T] -> last hidden state Float[B,T,H]; with ``pack`` the
+        embeddings and the result are the packed Float[N,H]."""
+        T = mask.shape[1]
         key_mask = mask[:, None, None, :]  # [B, 1, 1, T]
         rel = self.relative_context(T, embeddings.device)
         h = embeddings
         for i, layer in enumerate(self.layer):
-            out = layer(h, key_mask, rel)
+            out = layer(h, key_mask, rel, pack)
             if i == 0 and self.conv is not None:
-                out = self.conv(h, out, mask)
+                if pack is None:
+                    out = self.conv(h, out, mask)
+                else:  # the convolution mixes neighbouring positions: it needs the padded layout
+                    out = pack.gather(self.conv(pack.scatter(h), pack.scatter(out), mask))
             h = out
         return h
 
 
 class DebertaModel(nn.Module):
-    """The encoder: ``embeddings`` + ``encoder``. Returns the last hidden state Float[B, T, H]."""
+    """The encoder: ``embeddings`` + ``encoder``. Returns the last hidden state Float[B, T, H].
+
+    ``unpadded`` (default True; :func:`set_unpadded`): batches with padding run the dense layers on the real
+    tokens only (see the module docstring); hidden states at padded positions are then zero. False: always
+    the padded path. Graph capture (export, tracing) always takes the padded path.
+    """
 
     def __init__(self, config: DebertaConfig):
         super().__init__()
         self.config = config
         self.embeddings = DebertaEmbeddings(config)
         self.encoder = DebertaEncoder(config)
+        self.unpadded = True
+
+    def packing(self, mask: torch.Tensor) -> TokenPacking | None:
+        """The packing the forward uses for mask Bool[B,T], or None for the padded path (``unpadded`` off,
+        graph capture, or no padding in the batch: packing would only add copies)."""
+        if not self.unpadded or _graph_capture():
+            return None
+        pack = TokenPacking.from_mask(mask)
+        return pack if pack.num_tokens < pack.B * pack.T else None
 
     def forward(
         self,
@@ -622,8 +749,10 @@ class DebertaModel(nn.Module):
             mask = torch.ones_like(input_ids, dtype=torch.bool)
         else:
             mask = attention_mask.to(torch.bool)
-        x = self.embeddings(input_ids, mask, token_type_ids)
-        return self.encoder(x, mask)
+        pack = self.packing(mask)
+        x = self.embeddings(input_ids, mask, token_type_ids, pack)
+        h = self.encoder(x, mask, pack)
+        return h if pack is None else pack.scatter(h)
 
 
 class ContextPooler(nn.Module):

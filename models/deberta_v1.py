@@ -19,6 +19,8 @@ code of :mod:`.deberta`):
 * the scale is ``1 / sqrt(d * (1 + len(pos_att_type)))``, applied to content and position scores alike;
 * optional ``talking_head`` (Shazeer et al. 2020): ``head_logits_proj`` mixes the heads' logits before the
   softmax, ``head_weights_proj`` mixes the heads' probabilities after it (both n x n, no bias);
+* unpadded execution (:class:`relserve.models.deberta.TokenPacking`) runs ``in_proj`` on the packed real
+  tokens and scatters its output once to the padded layout for the attention core;
 * no convolution layer, no shared position keys; ``position_biased_input`` defaults to true (absolute
   positions are added to the input, as in v2's default).
 
@@ -45,6 +47,7 @@ from .deberta import (
     DebertaForQuestionAnswering,
     DebertaForSequenceClassification,
     RelativeContext,
+    TokenPacking,
 )
 
 MODEL_TYPE = "deberta"
@@ -173,13 +176,26 @@ class DebertaV1SelfAttention(nn.Module):
         )
 
     def forward(
-        self, hidden_states: torch.Tensor, key_mask: torch.Tensor, rel: RelativeContext | None
+        self,
+        hidden_states: torch.Tensor,
+        key_mask: torch.Tensor,
+        rel: RelativeContext | None,
+        pack: TokenPacking | None = None,
     ) -> torch.Tensor:
-        """hidden_states Float[B,T,H], key_mask Bool[B,1,1,T] (True = attend) -> context Float[B,T,H]."""
-        B, T, H = hidden_states.shape
+        """hidden_states Float[B,T,H], key_mask Bool[B,1,1,T] (True = attend) -> context Float[B,T,H].
+
+        With ``pack``: hidden_states and the result are the packed Float[N,H]; ``in_proj`` runs packed and its
+        output is scattered once to the padded layout for the attention core.
+        """
         n, d = self.num_heads, self.head_size
+        if pack is None:
+            B, T, H = hidden_states.shape
+            qkv = self.in_proj(hidden_states)  # [B, T, 3H]
+        else:
+            B, T, H = pack.B, pack.T, hidden_states.shape[-1]
+            qkv = pack.scatter(self.in_proj(hidden_states))  # [N, 3H] -> [B, T, 3H], zeros at padding
         # in_proj rows are grouped per head as [q_h; k_h; v_h] (HF's view(B, T, n, 3d).chunk(3, -1))
-        qkv = self.in_proj(hidden_states).view(B, T, n, 3 * d).transpose(1, 2)  # [B, n, T, 3d]
+        qkv = qkv.view(B, T, n, 3 * d).transpose(1, 2)  # [B, n, T, 3d]
         q, k, v = qkv.split(d, dim=-1)
         q = q + self.q_bias.view(n, 1, d)
         v = v + self.v_bias.view(n, 1, d)
@@ -203,6 +219,8 @@ class DebertaV1SelfAttention(nn.Module):
             probs = F.dropout(probs, self.attention_probs_dropout_prob, self.training)
             probs = torch.einsum("bhij,gh->bgij", probs, self.head_weights_proj.weight)
             ctx = torch.matmul(probs, v)  # [B, n, T, d]
+        if pack is not None:
+            return pack.gather(ctx.transpose(1, 2)).reshape(-1, H)  # [N, n, d] -> [N, H]
         return ctx.transpose(1, 2).reshape(B, T, H)
 
 

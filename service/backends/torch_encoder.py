@@ -10,6 +10,7 @@ from typing import Any, Sequence
 import torch
 
 from relserve.models.checkpoint import load_checkpoint
+from relserve.models.deberta import set_unpadded
 
 from .. import compute
 from ..config import ModelConfig, check_dtype_for_device
@@ -50,6 +51,8 @@ class TorchBackend:
         cfg = ckpt.config
         tok = ckpt.tokenizer
         self.model = ckpt.model
+        # dense layers on the real tokens of padded batches (torch_unpadded; parity with padded <= 1e-5 fp32)
+        set_unpadded(self.model, self.config.torch_unpadded)
         # a long QA batch can hand the cores to another model (or shrink to its share) between sub-layers
         add_yield_points(self.model, threads=self.config.torch_intra_op_threads)
         self._pad_id = int(getattr(tok, "pad_token_id", 0) or 0)
