@@ -25,9 +25,10 @@ $(BIN)/.relserve-installed-$(ORT_EXTRA): pyproject.toml setup.py constraints.txt
 	$(BIN)/python -m relserve.service._proto
 	touch $@
 
-# Test extras (pytest, transformers as the parity oracle) on top of the runtime install.
+# Test extras (pytest, transformers as the parity oracle) and the train extra (sacrebleu: the training smoke
+# tests run the real trainers) on top of the runtime install.
 $(BIN)/.relserve-test-installed-$(ORT_EXTRA): $(BIN)/.relserve-installed-$(ORT_EXTRA)
-	$(BIN)/python -m pip install -c constraints.txt -e '.[test,$(ORT_EXTRA)]'
+	$(BIN)/python -m pip install -c constraints.txt -e '.[test,train,$(ORT_EXTRA)]'
 	touch $@
 
 install: $(BIN)/.relserve-installed-$(ORT_EXTRA)

@@ -34,8 +34,9 @@ from .config import COMPUTE_SCHEDULING, ConfigError, ModelConfig, ServerConfig, 
 log = logging.getLogger("relserve")
 
 EXIT_MARGIN_S = 0.45   # after drain_timeout the deadline thread ends the process (promise: within + 0.5 s)
-EXIT_LINGER_S = 0.3    # after a drain that finished early: time for the last replies (a Watch stream's NOT_SERVING
-                      # and its end) to leave grpc's buffers; 0.1 s lost them on a loaded 2-core machine
+EXIT_LINGER_S = 1.0    # after a drain that finished early: time for the last replies (a Watch stream's NOT_SERVING
+                      # and its end) to leave grpc's buffers; 0.1 s and 0.3 s lost them on a 2-core machine whose
+                      # cores were busy with other processes (grpc's I/O threads were not scheduled in time)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -206,7 +206,7 @@ def test_open_watch_gets_not_serving_ends_and_does_not_hold_the_exit():
         seen, ended, exit_after, code = asyncio.run(_watch_then_term(srv))
         log = srv.log_text()
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-    assert seen == [serving, not_serving], seen
+    assert seen == [serving, not_serving], (seen, ended, exit_after, log[-3000:])
     assert ended == "UNAVAILABLE"
     assert code == 0, log[-3000:]
     assert exit_after < drain_timeout / 2, (exit_after, log[-3000:])  # nothing in flight: not the full grace
