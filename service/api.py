@@ -143,6 +143,11 @@ def _rpc(task: str) -> Callable:
                 code = (grpc.StatusCode.DEADLINE_EXCEEDED if _expired(context) else grpc.StatusCode.CANCELLED).name
                 raise
             except Exception as exc:
+                if _cancelled_by_client(context):
+                    # A write to a call the client has cancelled fails with grpc's own error (ExecuteBatchError):
+                    # the call ended CANCELLED, it is no server fault.
+                    code = grpc.StatusCode.CANCELLED.name
+                    raise asyncio.CancelledError() from None
                 status, details = to_status(exc)
                 code = status.name
                 if status == grpc.StatusCode.INTERNAL:
@@ -165,6 +170,13 @@ def _rpc(task: str) -> Callable:
         return wrapper
 
     return decorate
+
+
+def _cancelled_by_client(context: grpc.aio.ServicerContext) -> bool:
+    """Whether the client cancelled the call (not its deadline passing); contexts without ``cancelled`` (the
+    HTTP adapter) never are."""
+    cancelled = getattr(context, "cancelled", None)
+    return bool(cancelled is not None and cancelled()) and not _expired(context)
 
 
 def _expired(context: grpc.aio.ServicerContext) -> bool:

@@ -55,27 +55,28 @@ def read_file(key: str, path: Path) -> bytes:
         raise ConfigError(f"{key}: cannot read {str(path)!r}: {exc.strerror or exc}") from None
 
 
-def read_tokens(path: Path) -> tuple[bytes, ...]:
+def read_tokens(path: Path, key: str = "auth_token_file") -> tuple[bytes, ...]:
     """The bearer tokens in ``path`` (config key ``auth_token_file``): one per line, surrounding whitespace
-    stripped; blank lines and lines starting with ``#`` are skipped.
+    stripped; blank lines and lines starting with ``#`` are skipped. ``key``: how messages name the file (the
+    server's config key by default; a client passes its own parameter's name).
 
     Raises:
         ConfigError: the file is unreadable, holds no token, or a line is not a valid token (whitespace inside,
         or characters outside printable ASCII, which gRPC metadata cannot carry). Messages name the line number,
         never the token.
     """
-    raw = read_file("auth_token_file", path)
+    raw = read_file(key, path)
     tokens: list[bytes] = []
     for number, line in enumerate(raw.splitlines(), start=1):
         token = line.strip()
         if not token or token.startswith(b"#"):
             continue
         if not _printable_token(token):
-            raise ConfigError(f"auth_token_file {str(path)!r}, line {number}: a token must be printable ASCII "
+            raise ConfigError(f"{key} {str(path)!r}, line {number}: a token must be printable ASCII "
                               f"without spaces (gRPC metadata carries it as 'authorization: Bearer <token>')")
         tokens.append(token)
     if not tokens:
-        raise ConfigError(f"auth_token_file {str(path)!r} holds no token (one per line; blank lines and '#' "
+        raise ConfigError(f"{key} {str(path)!r} holds no token (one per line; blank lines and '#' "
                           f"comments are ignored)")
     return tuple(tokens)
 
@@ -107,9 +108,10 @@ def resolve_token(token: str | None, token_file: str | os.PathLike | None, *,
         raise ValueError(f"{token_name} and {file_name}: give one of them, not both")
     if token_file is not None:
         try:
-            tokens = read_tokens(Path(token_file))
+            # worded for the caller: its parameter's name, not the server's config key
+            tokens = read_tokens(Path(token_file), key=file_name)
         except ConfigError as exc:
-            raise ValueError(f"{file_name}: {exc}") from None
+            raise ValueError(str(exc)) from None
         if len(tokens) != 1:
             raise ValueError(f"{file_name} {str(token_file)!r} holds {len(tokens)} tokens; the client sends one")
         return tokens[0].decode("ascii")

@@ -179,7 +179,7 @@ class ModelConfig:
     # headroom and stays far below what a wrong op gives (1e-2 relative and more). Same rtol as the export.
     onnx_parity_rtol: float = 1e-4
     torch_intra_op_threads: int = 0  # torch backends: intra-op threads of the model's thread (0: torch's default)
-    torch_unpadded: bool = True  # torch encoder backend: dense layers on real tokens only (models/deberta.py)
+    torch_unpadded: bool = True  # torch backends, DeBERTa encoders: dense layers on real tokens (models/deberta.py)
     spm_normalization: str = "spm"  # SPM_NORMALIZATIONS: spm.model-only tokenizers (models/tokenization.py)
     # translation (RNNsearch) models only
     scheduling: str = "iteration"
@@ -370,6 +370,9 @@ def _coerce(where: str, key: str, value: Any, typ: type) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"{where}: {key} must be an integer, got {value!r}") from None
     if typ is float:
+        # bool is an int subclass: float(True) == 1.0 would turn `max_queue_delay: true` into one second
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: {key} must be a number, got {str(value).lower()}")
         try:
             return float(value)
         except (TypeError, ValueError):
@@ -501,6 +504,12 @@ def parse_model_spec(spec: str, base_dir: Path | None = None) -> dict[str, Any]:
         if key in ("name", "path"):
             raise ConfigError(f"--model {spec!r}: {key} is given by NAME=DIR, not as an option")
         raw[key] = value
+    # checked here, not only in _model_from_mapping: name and path are refused as options, so the list of
+    # allowed option keys must leave them out (as --model-options does)
+    unknown = set(raw) - _MODEL_KEYS
+    if unknown:
+        raise ConfigError(f"--model {spec!r}: unknown key(s) {sorted(unknown)}; "
+                          f"allowed: {sorted(_MODEL_KEYS - {'name', 'path'})}")
     return raw
 
 

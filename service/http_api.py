@@ -41,7 +41,10 @@ HTTP, a header line without a colon, a bad Content-Length or chunk size) gets ai
 one warning line in the log, no traceback (:class:`_ServerLog`). Deadlines: the optional
 ``X-Request-Timeout`` header (seconds, > 0) is the request's deadline, as a gRPC client's timeout (504
 DEADLINE_EXCEEDED). A client that disconnects does not cancel its request (aiohttp's default): the work
-finishes and the reply is dropped; one that disconnects while sending the body is CANCELLED (499, unsent).
+finishes and the reply is dropped; one that disconnects while sending the body is CANCELLED (499, unsent),
+counted on the URL's model for /v2 (when served, else ``_unknown_``) and on the route's task for /v1. Every
+string a reply or status message may echo (``id``, tensor names, datatypes) must be valid UTF-8: a JSON
+``"\ud800"`` (a lone surrogate) there is 400 INVALID_ARGUMENT before inference.
 
 Auth: with ``auth_token_file`` every route needs ``Authorization: Bearer <token>`` (the gRPC interceptor's
 check, :meth:`relserve.service.auth.TokenAuthInterceptor.check`) except the health routes (``/v2/health/*``,
@@ -180,8 +183,10 @@ def _error(code: grpc.StatusCode, message: str, retry_after_s: float | None = No
 
 
 def _json(body: Any, status: int = 200, headers: dict | None = None) -> web.Response:
-    return web.Response(body=json.dumps(body, ensure_ascii=False).encode(), status=status, headers=headers,
-                        content_type="application/json")
+    # "replace": a lone surrogate in an echoed string (a JSON "\ud800") cannot be UTF-8; the request parser
+    # refuses those (_check_text), so this only keeps a reply from ever failing as a 500 with a traceback
+    return web.Response(body=json.dumps(body, ensure_ascii=False).encode("utf-8", "replace"), status=status,
+                        headers=headers, content_type="application/json")
 
 
 def _retry_after_from_trailer(trailing: tuple) -> float | None:
@@ -428,7 +433,15 @@ class HttpApi:
         """``POST /v1/classify|answer|translate``: the relserve.v1 handler on the JSON-mapped message."""
         rpc, request_type = _V1_ROUTES[request.path]
         deadline = self._deadline(request)
-        raw = await self._read(request)
+        t0 = time.monotonic()
+        try:
+            raw = await self._read(request)
+        except Cancelled:
+            # no handler ran, so its wrapper cannot count it (as /v2 infer does): the model is in the unread
+            # body, the task is the route's
+            metrics.observe_request(metrics.UNKNOWN_MODEL, _TASK_OF_PATH[request.path],
+                                    grpc.StatusCode.CANCELLED.name, time.monotonic() - t0)
+            raise
         message: Any = request_type()
         try:
             json_format.ParseDict(_loads(raw), message)
@@ -485,17 +498,19 @@ class HttpApi:
         counted in the request metrics (model and task labels once known), as the gRPC v2 servicer's ModelInfer."""
         t0 = time.monotonic()
         name, version = request.match_info["name"], request.match_info.get("version", "")
-        # labels as the gRPC v2 servicer's ModelInfer: model and task once known, _unknown_ before
+        # labels as the gRPC v2 servicer's ModelInfer: model and task once known. Here the URL names the model
+        # before the body is read, so even a client gone mid-body is counted on it; a name that is not served
+        # stays _unknown_ (label values are bounded by the served models)
         model, task, code, counted = metrics.UNKNOWN_MODEL, metrics.UNKNOWN_MODEL, "OK", False
+        if name in self.registry.runners:
+            model = name
+            task = self.registry.runners[name].task or task
         try:
             if "Inference-Header-Content-Length" in request.headers:
                 raise InvalidArgument("the binary tensor data extension (Inference-Header-Content-Length) is not "
                                       "supported; send the tensors as JSON")
             deadline = self._deadline(request)
             body = await self._body(request)
-            if name in self.registry.runners:
-                model = name
-                task = self.registry.runners[name].task or task
             inputs, parameters, outputs = _parse_infer(body)
             runner = oip.lookup(self.registry, name, version)
             metrics.inflight(model, +1)
@@ -630,6 +645,8 @@ def _parse_infer(body: dict) -> tuple[list[oip.Tensor], dict, list[str]]:
     _object(body, "the inference request", _REQUEST_FIELDS)
     if body.get("id") is not None and not isinstance(body["id"], str):
         raise InvalidArgument(f"'id' must be a string, got {oip.describe(body['id'])}")
+    if body.get("id") is not None:
+        _check_text(body["id"], "'id'")
     parameters = _parameters_of(body, "the inference request")
     raw_inputs = body.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
@@ -644,6 +661,8 @@ def _parse_infer(body: dict) -> tuple[list[oip.Tensor], dict, list[str]]:
                 raise InvalidArgument(f"{where}: {key!r} is missing")
             if not isinstance(t[key], kind):
                 raise InvalidArgument(f"{where}: {key!r} must be {words}, got {oip.describe(t[key])}")
+            if kind is str:
+                _check_text(t[key], f"{where}: {key!r}")
         where = f"inputs[{i}] ({shown(t['name'])})"
         if "data" not in t:
             raise InvalidArgument(f"{where}: 'data' is missing")
@@ -668,9 +687,24 @@ def _parse_infer(body: dict) -> tuple[list[oip.Tensor], dict, list[str]]:
         _object(o, where, _OUTPUT_FIELDS)
         if not isinstance(o.get("name"), str):
             raise InvalidArgument(f"{where}: 'name' must be a string, got {oip.describe(o.get('name'))}")
+        _check_text(o["name"], f"{where}: 'name'")
         oip.check_tensor_parameters("output", o["name"], _parameters_of(o, f"{where} ({shown(o['name'])})"))
         names.append(o["name"])
     return inputs, parameters, names
+
+
+def _check_text(value: str, where: str) -> None:
+    """Refuse a string that UTF-8 cannot carry: JSON's ``"\ud800"`` escape parses to a lone surrogate, which
+    would reach the reply (the echoed ``id``) or a status message and cannot be encoded there.
+
+    Raises:
+        InvalidArgument: ``value`` holds an unpaired surrogate (naming ``where`` and the character index).
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(f"{where} is not valid UTF-8 text (an unpaired surrogate at character "
+                              f"{exc.start})") from None
 
 
 def _tensor_json(t: oip.Tensor) -> dict:

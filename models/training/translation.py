@@ -46,7 +46,7 @@ from ..decoding import DecodeOptions, beam_search, greedy_search
 from ..deberta import DebertaConfig
 from ..rnnsearch import RNNSearch, RNNSearchConfig, build_translation_model, encoder_kind
 from ..tokenization import SOURCE_SPM, TARGET_SPM, TranslationTokenizer, train_sentencepiece
-from . import require_train_extra
+from . import TRAIN_EXTRA_INSTALL, require_train_extra
 from .loop import count_parameters
 
 STATE_NAME = "state.pt"
@@ -261,7 +261,10 @@ def evaluate(model, tok, pairs, beam_size: int = 1, batch_size: int = 64) -> dic
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="relserve train-translation", description=__doc__.split("\n\n")[0])
+    # the help says up front what the first evaluation needs (sacrebleu), not only the error at start
+    p = argparse.ArgumentParser(prog="relserve train-translation", description=__doc__.split("\n\n")[0],
+                                epilog=f"Needs the relserve[train] extra (sacrebleu, for BLEU/chrF): "
+                                       f"{TRAIN_EXTRA_INSTALL}")
     p.add_argument("--train", help="training JSON lines (source/target)")
     p.add_argument("--dev", help="dev JSON lines (source/target)")
     p.add_argument("--out", help="checkpoint directory for the best model (by dev BLEU)")

@@ -24,7 +24,10 @@ name the checkpoint it was exported from; another checkpoint's graphs are refuse
 One policy for anything refused: graphs beside the checkpoint are the user's and are never rewritten, so the
 model is not served (:class:`GraphMismatch` naming the file and the fix); a cache entry that is incomplete,
 unreadable, untrusted, tampered with (sha256 mismatch, logged as a WARNING naming the file and both digests)
-or mismatching is deleted and exported again into a fresh entry (atomic rename), once.
+or mismatching is deleted and exported again into a fresh entry (atomic rename), once. A graph exported in
+this very load is never exported again: the same export of the same checkpoint gives the same graph, so a
+refusal there (a failed parity check above all: :class:`ParityMismatch`) is reported with the fix that can
+help (the tolerance keys), not "delete the entry".
 """
 
 from __future__ import annotations
@@ -51,6 +54,12 @@ T = TypeVar("T")
 
 class GraphMismatch(RuntimeError):
     """The ONNX graph does not reproduce the torch checkpoint; the model is not served."""
+
+
+class ParityMismatch(GraphMismatch):
+    """The graph's outputs differ from the torch checkpoint's beyond ``onnx_parity_tolerance`` /
+    ``onnx_parity_rtol`` (the load-time self-check). For a graph exported in this load, exporting again gives
+    the same graph: the fix is the tolerance (or backend=torch), not the cache."""
 
 
 def _export_into(cache: Path, export: Callable[[Path], None]) -> None:
@@ -168,13 +177,17 @@ def _read_verified(config: ModelConfig, d: Path, names: Sequence[str], digest: s
     return graphs
 
 
-def _open(config: ModelConfig, d: Path, open_and_check: Callable[[], T], advice: str) -> T:
+def _open(config: ModelConfig, d: Path, open_and_check: Callable[[], T], advice: str,
+          parity_advice: str | None = None) -> T:
+    """``open_and_check()``, every failure a GraphMismatch (the same class: a ParityMismatch stays one) with
+    ``advice`` appended, or ``parity_advice`` when given and the graphs failed the parity check."""
     try:
         return open_and_check()
     except ConfigError:
         raise
     except GraphMismatch as exc:
-        raise GraphMismatch(f"{exc}; {advice}") from exc
+        fix = parity_advice if parity_advice is not None and isinstance(exc, ParityMismatch) else advice
+        raise type(exc)(f"{exc}; {fix}") from exc
     except Exception as exc:  # ORT: unreadable protobuf, shapes that do not fit the checkpoint, ...
         text = " ".join(str(exc).split())[:600] or type(exc).__name__
         raise GraphMismatch(f"model {config.name!r}: the ONNX graphs in {d} do not work with checkpoint "
@@ -195,7 +208,8 @@ def load_graphs(config: ModelConfig, names: Sequence[str], export: Callable[[Pat
     Graphs beside the checkpoint are used as they are: a directory missing one of ``names``, a graph file that
     is a link, owned by another uid or group/other-writable, or whose ``export_report.json`` records another
     checkpoint hash or another sha256, is refused with advice. A cache entry that is incomplete, unreadable,
-    untrusted, tampered with or mismatching is deleted and exported again, once.
+    untrusted, tampered with or mismatching is deleted and exported again, once; an entry exported in this
+    call is not (a :class:`ParityMismatch` there names the tolerance keys instead).
 
     Raises:
         ConfigError: the cache directory cannot be created, or is owned by another uid or group/other-writable.
@@ -224,6 +238,7 @@ def load_graphs(config: ModelConfig, names: Sequence[str], export: Callable[[Pat
     root = Path(os.path.abspath(config.resolved_onnx_cache_dir()))
     file_trust.make_private_dir(root, f"model {config.name!r}: onnx_cache_dir")
     cache = root / digest
+    exported_now = False
     for attempt in (1, 2):
         if not all((cache / n).is_file() for n in names):
             if cache.is_symlink() or (cache.exists() and not cache.is_dir()):
@@ -233,17 +248,26 @@ def load_graphs(config: ModelConfig, names: Sequence[str], export: Callable[[Pat
                 shutil.rmtree(cache, ignore_errors=True)
             log.info("model %r: no ONNX graphs yet; exporting %s to %s", config.name, path, cache)
             _export_into(cache, export)
+            exported_now = True
         try:
             advice = f"delete {cache} to export again"
             try:
                 graphs = _read_verified(config, cache, names, digest, file_trust.trusted_owners(), cache_root=root)
             except GraphMismatch as exc:
                 raise GraphMismatch(f"{exc}; {advice}") from exc
-            result = _open(config, cache, lambda: open_and_check(cache, digest, graphs), advice)
+            parity_advice = None
+            if exported_now:
+                # a fresh export that fails: exporting it again reproduces the failure, so no "delete" advice
+                fresh = "the graphs were exported from this checkpoint just now, so exporting again would give " \
+                        "the same graphs"
+                advice = f"{fresh}; serve the model with backend=torch"
+                parity_advice = (f"{fresh}; raise onnx_parity_tolerance (atol) / onnx_parity_rtol if this "
+                                 f"difference is acceptable, or serve the model with backend=torch")
+            result = _open(config, cache, lambda: open_and_check(cache, digest, graphs), advice, parity_advice)
             log.info("model %r: using the cached graphs in %s", config.name, cache)
             return result, cache
         except GraphMismatch as exc:
-            if attempt == 2:
+            if attempt == 2 or exported_now:
                 raise
             log.warning("model %r: cached graphs unusable (%s); deleting %s and exporting again", config.name,
                         exc, cache)

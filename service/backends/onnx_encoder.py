@@ -30,7 +30,7 @@ from relserve.models.onnx.tolerance import Agreement
 from ..config import ModelConfig
 from ..errors import ConfigError
 from .base import TASK_CLASSIFICATION, TASK_QA, ModelMeta
-from .graph_cache import GraphMismatch, check_graph_origin, load_graphs
+from .graph_cache import GraphMismatch, ParityMismatch, check_graph_origin, load_graphs
 from .onnx_session import open_with_native_fallback, provider_device, select_providers
 from .padding import WarmupEncoding, pad_batch
 
@@ -137,7 +137,7 @@ class OnnxBackend:
                     agree.add(got[i][k], want[k][i, :n])
         self.parity_diff = agree.max_abs_diff
         if not agree.passed:
-            raise GraphMismatch(
+            raise ParityMismatch(
                 f"model {self.config.name!r}: ONNX graph {self.graph} differs from the torch checkpoint "
                 f"{self.config.path} on the warm-up batch beyond |diff| <= onnx_parity_tolerance + "
                 f"onnx_parity_rtol*|ref|: {agree.describe()}; refusing to serve it")

@@ -27,7 +27,7 @@ from relserve.models.rnnsearch import encoder_kind
 
 from ..config import ModelConfig
 from .base import TASK_TRANSLATION, ModelMeta
-from .graph_cache import GraphMismatch, check_graph_origin, load_graphs
+from .graph_cache import GraphMismatch, ParityMismatch, check_graph_origin, load_graphs
 from .onnx_session import open_with_native_fallback, provider_device, select_providers
 from .translation_steps import BeamStepper, SteppedBackend
 
@@ -116,7 +116,7 @@ class OnnxTranslationBackend(SteppedBackend):
         agree = enc.merge(dec)
         self.parity_diff = agree.max_abs_diff
         if not agree.passed:
-            raise GraphMismatch(
+            raise ParityMismatch(
                 f"model {self.config.name!r}: ONNX graphs in {self.graph_dir} differ from the torch checkpoint "
                 f"{self.config.path} on the warm-up sources beyond |diff| <= onnx_parity_tolerance + "
                 f"onnx_parity_rtol*|ref|: {agree.describe()}; refusing to serve them")

@@ -52,7 +52,9 @@ class TorchBackend:
         tok = ckpt.tokenizer
         self.model = ckpt.model
         # dense layers on the real tokens of padded batches (torch_unpadded; parity with padded <= 1e-5 fp32)
-        set_unpadded(self.model, self.config.torch_unpadded)
+        if set_unpadded(self.model, self.config.torch_unpadded):
+            log.info("model %r: DeBERTa unpadded execution %s (torch_unpadded)", self.config.name,
+                     "on" if self.config.torch_unpadded else "off")
         # a long QA batch can hand the cores to another model (or shrink to its share) between sub-layers
         add_yield_points(self.model, threads=self.config.torch_intra_op_threads)
         self._pad_id = int(getattr(tok, "pad_token_id", 0) or 0)

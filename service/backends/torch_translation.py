@@ -14,6 +14,7 @@ import logging
 from typing import Any, Callable
 
 from relserve.models.checkpoint import load_translation_checkpoint
+from relserve.models.deberta import set_unpadded
 
 from ..config import ModelConfig, check_dtype_for_device
 from .base import TASK_TRANSLATION, ModelMeta
@@ -49,6 +50,11 @@ class TorchTranslationBackend(SteppedBackend):
         self.model, self.model_config, self.tokenizer = self._loader(self.config.path, device=self.device,
                                                                      dtype=self.dtype)
         self.model.eval()
+        # a DeBERTa encoder runs its dense layers on the real source tokens only (torch_unpadded), as the
+        # torch encoder backend does; a BiGRU encoder has no such switch (0 modules set)
+        if set_unpadded(self.model, self.config.torch_unpadded):
+            log.info("model %r: DeBERTa encoder unpadded execution %s (torch_unpadded)", self.config.name,
+                     "on" if self.config.torch_unpadded else "off")
         self.stepper = BeamStepper(self.config.name, self.model, self.device)
         kind = "bigru" if getattr(self.model_config, "encoder_type", "bigru") == "bigru" else "deberta"
         self.meta = ModelMeta(

@@ -229,3 +229,22 @@ def test_config_torch_unpadded_must_be_bool(tmp_path):
     assert models(",torch_unpadded=false")[0].torch_unpadded is False
     with pytest.raises(ConfigError, match="torch_unpadded must be true or false"):
         models(",torch_unpadded=maybe")
+
+
+def test_translation_backend_torch_unpadded_key(tmp_path, caplog):
+    # was: only the torch encoder backend applied the key; a translation model's DeBERTa encoder stayed unpadded
+    from fixtures.translation import make_tiny_checkpoint
+    from relserve.models.deberta import DebertaModel
+    from relserve.service.backends.torch_translation import TorchTranslationBackend
+
+    ckpt = make_tiny_checkpoint(tmp_path / "tr", encoder="deberta")
+    for flag in (False, True):
+        caplog.clear()
+        be = TorchTranslationBackend(ModelConfig(name="tr", path=ckpt, device="cpu", torch_unpadded=flag))
+        with caplog.at_level("INFO", logger="relserve.service.backends.torch_translation"):
+            be.load()
+        encoders = [m for m in be.model.modules() if isinstance(m, DebertaModel)]
+        assert encoders and all(m.unpadded is flag for m in encoders)
+        lines = [r.getMessage() for r in caplog.records if "unpadded execution" in r.getMessage()]
+        assert lines == [f"model 'tr': DeBERTa encoder unpadded execution {'on' if flag else 'off'} (torch_unpadded)"]
+        be.close()

@@ -192,3 +192,32 @@ def test_group_writable_or_linked_graph_files_are_refused(first_load, ckpt, tmp_
         be.load()
     assert f"{entry / GRAPH_NAME} is writable by group (owner uid {os.geteuid()}, mode 0664)" in caplog.text
     assert _mode(entry / GRAPH_NAME) == 0o644 and be.parity_diff < 1e-4
+
+
+def test_a_fresh_export_failing_parity_is_not_exported_again(first_load, ckpt, tmp_path, monkeypatch, caplog):
+    # Was: the fresh graph was taken for a stale cache entry, exported a second time, and the error said
+    # "delete <dir> to export again", which cannot help.
+    from relserve.service.backends import onnx_encoder
+
+    exports = []
+    real_export = onnx_encoder.export_checkpoint
+    monkeypatch.setattr(onnx_encoder, "export_checkpoint", lambda *a, **kw: exports.append(a) or real_export(*a, **kw))
+    strict = {"onnx_parity_tolerance": 1e-9, "onnx_parity_rtol": 0.0}
+    fresh = ModelConfig(**{**_cfg(ckpt, tmp_path / "empty").__dict__, **strict})
+    with pytest.raises(GraphMismatch) as err:
+        OnnxBackend(fresh).load()
+    message = str(err.value)
+    assert len(exports) == 1
+    assert "max |diff| " in message and "(atol 1e-09, rtol 0)" in message
+    assert "exported from this checkpoint just now" in message and "onnx_parity_tolerance" in message
+    assert "onnx_parity_rtol" in message and "delete" not in message
+
+    # a graph cached by an earlier run still gets today's treatment: deleted and exported again, once
+    exports.clear()
+    entry = _copy_cache(first_load, tmp_path / "cache")
+    with caplog.at_level("WARNING"):
+        with pytest.raises(GraphMismatch) as err:
+            OnnxBackend(ModelConfig(**{**_cfg(ckpt, tmp_path / "cache").__dict__, **strict})).load()
+    assert len(exports) == 1
+    assert any("unusable" in r.getMessage() and f"deleting {entry}" in r.getMessage() for r in caplog.records)
+    assert "exported from this checkpoint just now" in str(err.value) and "delete" not in str(err.value)

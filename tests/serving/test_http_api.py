@@ -394,6 +394,26 @@ def test_v2_unpaired_surrogate_is_400_naming_the_element(srv, model, body, needl
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
 
 
+@pytest.mark.parametrize("body,needle", [
+    ('{"inputs":[{"name":"text","shape":[1],"datatype":"BYTES","data":["a"]}],"id":"x\\ud800"}',
+     "'id' is not valid UTF-8 text (an unpaired surrogate at character 1)"),
+    ('{"inputs":[{"name":"te\\udfffxt","shape":[1],"datatype":"BYTES","data":["a"]}]}',
+     "inputs[0]: 'name' is not valid UTF-8 text (an unpaired surrogate at character 2)"),
+    ('{"inputs":[{"name":"text","shape":[1],"datatype":"BYTES\\ud800","data":["a"]}]}',
+     "inputs[0]: 'datatype' is not valid UTF-8 text (an unpaired surrogate at character 5)"),
+    ('{"inputs":[{"name":"text","shape":[1],"datatype":"BYTES","data":["a"]}],"outputs":[{"name":"\\ud800"}]}',
+     "outputs[0]: 'name' is not valid UTF-8 text (an unpaired surrogate at character 0)"),
+])
+def test_v2_unpaired_surrogate_in_echoed_field_is_400_before_inference(srv, body, needle, caplog):
+    # the id was echoed into the reply after the model ran: UnicodeEncodeError, a 500 and a traceback
+    assert "\\ud" in body
+    before = REGISTRY.get_sample_value("relserve_batch_size_count", {"model": "sentiment"}) or 0.0
+    reply = http(srv.base, "POST", "/v2/models/sentiment/infer", raw=body.encode())
+    assert (reply.status, reply.json) == (400, {"error": needle, "code": "INVALID_ARGUMENT"})
+    assert (REGISTRY.get_sample_value("relserve_batch_size_count", {"model": "sentiment"}) or 0.0) == before
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
 def _grpc_v2_error(srv, request) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.RpcError) as err:
         v2_grpc.GRPCInferenceServiceStub(srv.channel).ModelInfer(request, timeout=10)
@@ -513,17 +533,27 @@ def test_malformed_http_is_400_with_one_warning_line_and_no_traceback(srv, caplo
     assert http(srv.base, "GET", "/v2/health/live").json == {"live": True}
 
 
-def test_client_closing_mid_body_is_cancelled_without_a_traceback(srv, caplog):
+@pytest.mark.parametrize("path,model,task", [
+    # v2: the URL names the model, so the count is on it (and its task) when it is served
+    ("/v2/models/sentiment/infer", "sentiment", TASK_CLASSIFICATION),
+    ("/v2/models/tr/infer", "tr", TASK_TRANSLATION),
+    ("/v2/models/nope/infer", "_unknown_", "_unknown_"),  # not served: bounded labels
+    # v1: the model is in the unread body; the task is the route's (was not counted at all)
+    ("/v1/classify", "_unknown_", TASK_CLASSIFICATION),
+    ("/v1/answer", "_unknown_", TASK_QA),
+    ("/v1/translate", "_unknown_", TASK_TRANSLATION),
+])
+def test_client_closing_mid_body_is_cancelled_without_a_traceback(srv, caplog, path, model, task):
     caplog.set_level(logging.WARNING)
-    before = count("_unknown_", "_unknown_", "CANCELLED")
+    before = count(model, task, "CANCELLED")
     with socket.create_connection(("127.0.0.1", srv.server.http_port), timeout=10) as conn:
-        conn.sendall(b"POST /v2/models/sentiment/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"in")
+        conn.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{{\"in".encode())
         conn.shutdown(socket.SHUT_WR)
         assert conn.recv(65536) == b""  # closed unanswered: the client is gone
     end = time.monotonic() + 10
-    while count("_unknown_", "_unknown_", "CANCELLED") == before and time.monotonic() < end:
+    while count(model, task, "CANCELLED") == before and time.monotonic() < end:
         time.sleep(0.01)
-    assert count("_unknown_", "_unknown_", "CANCELLED") == before + 1
+    assert count(model, task, "CANCELLED") == before + 1
     assert _errors_logged(caplog) == []
 
 

@@ -207,6 +207,26 @@ def test_a_broken_translation_cache_entry_is_exported_again(translation_checkpoi
     assert (entry / "encoder.onnx").is_file()
 
 
+def test_a_fresh_translation_export_failing_parity_is_not_exported_again(translation_checkpoint, tmp_path,
+                                                                         monkeypatch):
+    """Both graphs exported in this load fail the (impossibly strict) parity check: one export, and the error
+    names the measured difference and the tolerance keys, not "delete the cache entry"."""
+    from relserve.service.backends import onnx_translation
+
+    exports = []
+    real = onnx_translation.export_translation_checkpoint
+    monkeypatch.setattr(onnx_translation, "export_translation_checkpoint",
+                        lambda *a, **kw: exports.append(a) or real(*a, **kw))
+    cfg = ModelConfig(name="m", path=translation_checkpoint, device="cpu", backend="onnx", onnx_cache_dir=tmp_path,
+                      onnx_parity_tolerance=1e-12, onnx_parity_rtol=0.0)
+    with pytest.raises(GraphMismatch) as err:
+        onnx_translation.OnnxTranslationBackend(cfg).load()
+    message = str(err.value)
+    assert len(exports) == 1
+    assert "max |diff| " in message and "(atol 1e-12, rtol 0)" in message
+    assert "onnx_parity_tolerance" in message and "onnx_parity_rtol" in message and "delete" not in message
+
+
 def test_cache_entry_edge_cases(translation_checkpoint, tmp_path):
     """A stray file or a symlink where the entry belongs is replaced by a real entry, readable by other users;
     an onnx_cache_dir that is a file is a config error naming it."""

@@ -108,3 +108,19 @@ def test_http_flags_reach_the_config(tmp_path):
     assert (cfg.http_port, cfg.http_host) == (8080, "127.0.0.1")
     plain = config_from_args(build_parser().parse_args(["serve", "--model", f"a={tmp_path}"]))
     assert (plain.http_port, plain.http_host) == (None, None)
+
+
+def test_unknown_model_option_lists_only_accepted_keys(tmp_path, capsys):
+    # name and path are refused as --model options (NAME=DIR gives them), so the list must not offer them
+    assert main(["serve", "--model", f"a={tmp_path},bogus=1"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key(s) ['bogus']" in err and "max_batch_size" in err
+    allowed = err.split("allowed:", 1)[1]
+    assert "'name'" not in allowed and "'path'" not in allowed
+
+
+def test_train_translation_help_names_the_train_extra(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train-translation", "--help"])
+    assert exit_info.value.code == 0
+    assert "relserve[train]" in capsys.readouterr().out

@@ -417,3 +417,25 @@ def test_http_api_config_errors_are_clear(tmp_path, overrides, fragment):
     with pytest.raises(ConfigError) as err:
         load_config(overrides=overrides, model_specs=[f"a={tmp_path}"])
     assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("max_queue_delay", "true"), ("onnx_parity_tolerance", "true"), ("max_request_batch_share", "false"),
+])
+def test_yaml_booleans_are_refused_for_float_model_keys(tmp_path, key, value):
+    # bool is an int subclass, so float(True) == 1.0: `max_queue_delay: true` silently meant one second.
+    (tmp_path / "m").mkdir()
+    cfg_file = tmp_path / "relserve.yaml"
+    cfg_file.write_text(f"models:\n  - name: a\n    path: m\n    {key}: {value}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg_file)
+    assert f"{key} must be a number, got {value}" in str(err.value)
+
+
+def test_yaml_boolean_is_refused_for_float_server_key(tmp_path):
+    (tmp_path / "m").mkdir()
+    cfg_file = tmp_path / "relserve.yaml"
+    cfg_file.write_text("keepalive_time: true\nmodels:\n  - name: a\n    path: m\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg_file)
+    assert "keepalive_time must be a number, got true" in str(err.value)
