@@ -2,10 +2,9 @@
 onnxruntime hidden from a child process, a torch model is served without any of them being imported, and
 ``backend=onnx`` / ``relserve export`` fail with a message that names the extras.
 
-The child processes get a ``sitecustomize`` (on ``PYTHONPATH``) that wraps every meta-path finder so that
-none finds those three packages (``importlib.util.find_spec`` None, ``import`` ModuleNotFoundError: what an
-absent package gives), so this runs in the test venv that has them installed; an audit hook writes down
-every attempt to import one of them.
+The child processes get a ``sitecustomize`` that hides those three packages (tests/fixtures/hidden_modules.py:
+what an absent package gives), so this runs in the test venv that has them installed; an audit hook writes
+down every attempt to import one of them.
 """
 
 from __future__ import annotations
@@ -24,32 +23,13 @@ from relserve.service._proto import inference_pb2 as pb
 from relserve.service._proto import inference_pb2_grpc as pb_grpc
 
 from fixtures.deberta import make_deberta_checkpoint
+from fixtures.hidden_modules import hiding_env
 
 HIDDEN = ("onnx", "onnxruntime", "onnxscript")
 
-SITECUSTOMIZE = textwrap.dedent(f"""
-    import os, sys
-
-    HIDDEN = {HIDDEN!r}
-
-
-    class _NotInstalled:
-        # wraps a meta-path finder: finds nothing of HIDDEN (find_spec None, as for an absent package)
-
-        def __init__(self, finder):
-            self._finder = finder
-
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in HIDDEN:
-                return None
-            find = getattr(self._finder, "find_spec", None)
-            return find(name, path, target) if find else None
-
-        def __getattr__(self, attr):
-            return getattr(self._finder, attr)
-
-
-    sys.meta_path[:] = [_NotInstalled(f) for f in sys.meta_path]
+# After the finder (tests/fixtures/hidden_modules.py): an audit hook writing down every import attempt.
+AUDIT = textwrap.dedent("""
+    import os
 
 
     REPORT = os.environ["RELSERVE_TEST_ONNX_MODULES"]
@@ -70,11 +50,9 @@ SITECUSTOMIZE = textwrap.dedent(f"""
 @pytest.fixture()
 def no_onnx(tmp_path) -> tuple[dict, Path]:
     """(environment for a child without the onnx extra, the file listing its attempts to import them)."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = hiding_env(tmp_path / "site", HIDDEN, AUDIT)
     report = tmp_path / "onnx-modules.json"
-    return {"PYTHONPATH": str(site), "RELSERVE_TEST_ONNX_MODULES": str(report)}, report
+    return {"PYTHONPATH": env["PYTHONPATH"], "RELSERVE_TEST_ONNX_MODULES": str(report)}, report
 
 
 @pytest.fixture(scope="module")

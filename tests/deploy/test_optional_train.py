@@ -2,48 +2,25 @@
 sacrebleu hidden from a child process, ``relserve train-translation`` stops before doing anything, with a
 message that names the extra, instead of failing at its first evaluation.
 
-The child gets a ``sitecustomize`` (on ``PYTHONPATH``) that wraps every meta-path finder so that none finds
-sacrebleu (what an absent package gives), as tests/deploy/test_optional_onnx.py does for ONNX Runtime; so this
-holds whether or not the test venv has the extra installed.
+The child gets a ``sitecustomize`` that hides sacrebleu (tests/fixtures/hidden_modules.py: what an absent
+package gives), as tests/deploy/test_optional_onnx.py does for ONNX Runtime; so this holds whether or not the
+test venv has the extra installed.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 from relserve.models.training import require_train_extra
 
-SITECUSTOMIZE = textwrap.dedent("""
-    import sys
-
-    class _NotInstalled:
-        def __init__(self, finder):
-            self._finder = finder
-
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] == "sacrebleu":
-                return None
-            find = getattr(self._finder, "find_spec", None)
-            return find(name, path, target) if find else None
-
-        def __getattr__(self, attr):
-            return getattr(self._finder, attr)
-
-    sys.meta_path[:] = [_NotInstalled(f) for f in sys.meta_path]
-""")
-
+from fixtures.hidden_modules import hiding_env
 
 @pytest.fixture()
 def no_sacrebleu(tmp_path) -> dict:
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    return {**os.environ, "PYTHONPATH": str(site)}
+    return hiding_env(tmp_path / "site", ("sacrebleu",))
 
 
 def test_the_blocker_hides_sacrebleu(no_sacrebleu):

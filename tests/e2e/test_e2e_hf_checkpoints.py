@@ -124,8 +124,9 @@ def test_classify_text_pairs_match_transformers(hf_server):
             assert res.labels[0].score == pytest.approx(float(exp.max()), abs=1e-4)
 
 
-def _oracle_span(d, question, context, max_answer_len):
-    """Exhaustive best span over transformers' logits, mapped to trimmed character offsets."""
+def _hf_qa_logits(d, question, context):
+    """transformers' QA model on (question, context): (encoding, offsets, sequence ids, start logits [T], end
+    logits [T])."""
     model, tok = _hf_model(d)
     enc = tok(question, context, return_offsets_mapping=True, return_tensors="pt")
     offsets = enc.pop("offset_mapping")[0].tolist()
@@ -134,7 +135,12 @@ def _oracle_span(d, question, context, max_answer_len):
         enc.pop("token_type_ids", None)
     with torch.no_grad():
         out = model(**enc)
-    s, e = out.start_logits[0].numpy(), out.end_logits[0].numpy()
+    return enc, offsets, seq_ids, out.start_logits[0].numpy(), out.end_logits[0].numpy()
+
+
+def _oracle_span(d, question, context, max_answer_len):
+    """Exhaustive best span over transformers' logits, mapped to trimmed character offsets."""
+    enc, offsets, seq_ids, s, e = _hf_qa_logits(d, question, context)
     ctx = [i for i, sid in enumerate(seq_ids) if sid == 1]
     best, best_score = None, -np.inf
     for i in ctx:
@@ -176,15 +182,7 @@ def _pipeline_words(d, question, context, max_answer_len):
     of the start and end tokens, as its ``postprocess`` does (the pipeline itself is no longer in transformers 5, so
     its mapping is applied here to the same tokenizer's encoding); then trimmed of whitespace (C07: the pipeline can
     keep the space a Metaspace word's first token covers)."""
-    model, tok = _hf_model(d)
-    enc = tok(question, context, return_offsets_mapping=True, return_tensors="pt")
-    offsets = enc.pop("offset_mapping")[0].tolist()
-    seq_ids = enc.sequence_ids(0)
-    if model.config.type_vocab_size == 0:
-        enc.pop("token_type_ids", None)
-    with torch.no_grad():
-        out = model(**enc)
-    s, e = out.start_logits[0].numpy(), out.end_logits[0].numpy()
+    enc, offsets, seq_ids, s, e = _hf_qa_logits(d, question, context)
     usable = [i for i, sid in enumerate(seq_ids) if sid == 1 and context[offsets[i][0]:offsets[i][1]].strip()]
     best, best_score = None, -np.inf
     for i in usable:
