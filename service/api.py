@@ -214,6 +214,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 name=info.name, task=info.task, family=info.family, backend=info.backend, device=info.device,
                 dtype=info.dtype, max_seq_len=info.max_seq_len, labels=list(info.labels),
                 max_batch_size=info.max_batch_size, function_to_apply=info.function_to_apply,
+                dtype_reason=info.dtype_reason,
             )
         return out
 

@@ -22,9 +22,17 @@ Batch forming, every time the worker is free:
    behind a long one runs in the next batch instead of after all of it. The cap is work-conserving: places
    nobody else can take (no other request waits, or its units do not fit the token budget) are filled from
    the capped requests, in the same bucket order, so a lone request still gets full batches;
-5. the batch runs in pieces the model's cost model expects to take at most ``max_batch_time_ms`` each
-   (``service/compute.py``), each piece taking the process's compute slot, so another model's batch runs
-   between two pieces; units cancelled or expired while a piece waited for the cores are left out.
+5. the batch runs in sub-batches, back to back, each taking the process's compute slot (so another
+   model's batch runs between two of them); units cancelled or expired while a sub-batch waited for the
+   cores are left out. Once the model's :class:`relserve.service.compute.BatchCostModel` is fitted (warm-up
+   probes at load, refined by every call; seconds = per call + per real token + per padded token + per
+   n x L^2 of the attention core), the sub-batches are the partition of the formed batch with the least
+   predicted time (:func:`relserve.service.compute.plan_batch`: sorted by length, exact dynamic programme),
+   each predicted within ``max_batch_time_ms``, and the one holding the oldest unit runs first. Sub-batches
+   only split what step 3 formed, so they keep its limits and the fairness cap and wait no longer than
+   ``max_queue_delay`` for company. Without warm-up probes (warm-up off, a backend without
+   ``probe_batch``), or with ``cost_batching`` off, the batch runs in consecutive pieces the per-token
+   :class:`CostModel` expects to take at most ``max_batch_time_ms`` each.
 
 The backend's ``run(payloads)`` returns one result or one Exception per payload; each goes to its own
 unit. If ``run`` raises, or returns the wrong number of items, every unit of *that* batch gets the error
@@ -47,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from . import queueing
-from .compute import ComputeScheduler, CostModel, Lane
+from .compute import BatchCostModel, ComputeScheduler, CostModel, Lane, plan_batch
 from .errors import ResourceExhausted, Unavailable
 from .pushback import DrainEstimate
 
@@ -119,6 +127,10 @@ class Batcher:
             compute slot through it, and a formed batch runs in pieces expected to take at most its
             ``max_hold`` seconds each (a :class:`relserve.service.compute.CostModel` fitted to this
             model's calls). None: a lane of its own (no coordination, no splitting).
+        cost_batching: split formed batches into the sub-batches of least predicted time (step 5 of the
+            module docstring); False runs them as formed (the switch exists to measure what it saves).
+        batch_cost: the model's :class:`relserve.service.compute.BatchCostModel`, typically fitted at warm-up
+            (``ModelRunner`` passes the one its load calibrated); None: a new one, fitted from live calls.
     """
 
     def __init__(
@@ -137,6 +149,8 @@ class Batcher:
         on_queue_depth: Callable[[int], None] = _noop,
         on_batch: Callable[[BatchStats], None] = _noop,
         compute: Lane | None = None,
+        cost_batching: bool = True,
+        batch_cost: BatchCostModel | None = None,
     ) -> None:
         if max_batch_size < 1 or max_batch_tokens < 1 or max_queue_size < 1 or max_queue_delay < 0:
             raise ValueError("batcher limits must be positive (max_queue_delay >= 0)")
@@ -169,6 +183,8 @@ class Batcher:
         self._closed = False
         self._lane = compute if compute is not None else ComputeScheduler("shared").lane(name)
         self.cost_model = CostModel(self._lane.max_hold)
+        self.cost_batching = cost_batching
+        self.batch_cost = batch_cost if batch_cost is not None else BatchCostModel()
         self.executions = 0  # number of backend calls so far (tests and logs)
 
     # ------------------------------------------------------------------ lifecycle
@@ -392,10 +408,21 @@ class Batcher:
         self._on_queue_depth(len(self._queue))
         return batch
 
+    def plan(self, formed: Sequence[Unit]) -> list[list[int]]:
+        """The sub-batches (indices into ``formed``, in the order they run) of a formed batch: the least
+        predicted total time once the batch cost model is fitted (see the module docstring, step 5), else
+        consecutive pieces within the lane's ``max_hold``."""
+        lengths = [u.tokens for u in formed]
+        coef = self.batch_cost.coefficients() if self.cost_batching and self.batch_cost.fitted else None
+        if coef is None:
+            return self.cost_model.split(lengths, self.is_padded)
+        return plan_batch(lengths, coef, is_padded=self.is_padded, max_batch_size=self.max_batch_size,
+                          max_batch_time=self._lane.max_hold, min_piece_tokens=self.cost_model.min_piece_tokens)
+
     async def _execute(self, formed: list[Unit]) -> None:
-        """Run a formed batch: in consecutive pieces that the cost model expects to take at most the lane's
-        ``max_hold`` each (one piece when splitting is off), each a backend call of its own."""
-        for piece in self.cost_model.split([u.tokens for u in formed], self.is_padded):
+        """Run a formed batch as the sub-batches of :meth:`plan`, back to back, each a backend call of its
+        own."""
+        for piece in self.plan(formed):
             await self._execute_piece([formed[i] for i in piece])
 
     async def _execute_piece(self, batch: list[Unit]) -> None:
@@ -432,6 +459,7 @@ class Batcher:
         padded = self._cost(len(batch), longest, real)
         if not failed:
             self.cost_model.observe(padded, compute_s)
+            self.batch_cost.observe([u.tokens for u in batch], compute_s, is_padded=self.is_padded)
         try:
             self._on_batch(BatchStats(
                 size=len(batch), real_tokens=real, padded_tokens=padded,

@@ -48,7 +48,22 @@ Example file::
       - name: sentiment
         path: defaults/sentiment          # relative paths are relative to the config file
         device: auto                      # auto | cpu | cuda | cuda:N
-        dtype: float32                    # float16 / bfloat16 only on CUDA
+        dtype: auto                       # auto | float32 | bfloat16 | float16. auto (the default): bfloat16
+                                          #   where the device runs it natively (CUDA with bf16 support; a CPU
+                                          #   with AVX512-BF16 or AMX-BF16, see service/cpu_features.py and its
+                                          #   RELSERVE_CPU_BF16 override) and the agreement gate below passes,
+                                          #   else float32; the choice and its reason are logged and shown in
+                                          #   ListModels (dtype, dtype_reason). backend onnx: float32.
+                                          #   bfloat16: only on such devices; float16: CUDA only
+        dtype_gate_agreement: 0.99        # auto's gate, run after warm-up on real text (the checkpoint's
+                                          #   calibration.jsonl, else loadtest/data for the task): bfloat16 is
+                                          #   kept when this fraction of items has the same argmax label / best
+                                          #   QA span / greedy translation tokens as float32 ...
+        dtype_gate_max_prob_diff: 0.05    # ... and no probability differs by more than this (classification:
+                                          #   label probabilities; QA: the best span's score; translation: the
+                                          #   mean token probability exp(log_prob / tokens))
+        dtype_gate_items: 256             # items the gate runs (the first ones of the text; at least 200 are
+                                          #   needed, fewer usable items keep float32)
         max_batch_size: 32
         max_batch_tokens: 8192            # padded tokens: batch size x longest sequence
         max_queue_delay: 0.005            # seconds
@@ -56,6 +71,9 @@ Example file::
         max_request_texts: 256            # texts per Classify / Translate request (more: INVALID_ARGUMENT)
         max_request_chars: 1000000        # characters per request, all texts (QA: question + context) together
         length_bucketing: true            # false: batches in arrival order (more padding)
+        cost_batching: true               # run a formed batch as the sub-batches of least predicted time
+                                          #   (cost model fitted at warm-up and from every call: per call,
+                                          #   per real / padded token, per n x L^2); false: as formed
         max_request_batch_share: 0.5      # one request's units per batch <= ceil(share x max_batch_size) while
                                           #   other requests wait (1.0: no cap); a long QA context cannot
                                           #   starve the short requests behind it
@@ -98,6 +116,9 @@ Example file::
         path: defaults/translate-de-en
         scheduling: iteration             # iteration (join/leave between decoder steps) | request
         max_active_hypotheses: 256        # beam hypotheses decoded together per step
+        encode_batch_delay_ms: 2          # iteration: newcomers wait at most this long (from the oldest's
+                                          #   arrival) while others decode, so several share one encoder
+                                          #   call; the loop keeps stepping meanwhile; 0: encode at the next step
         max_source_tokens: 256            # longer sources are INVALID_ARGUMENT
         beam_size: 5                      # default when a request sends 0
         max_len_a: 2.0                    # default max_length = min(int(a * source_tokens + b), max_output_tokens)
@@ -118,6 +139,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .auth import check_tls_files, read_tokens
+from .cpu_features import CPU_BF16_ENV, bf16_support, cpu_bf16_mode
 from .errors import ConfigError
 
 MIB = 1024 * 1024
@@ -137,7 +159,9 @@ BACKENDS = ("torch", "onnx", "auto")
 ONNX_GRAPH_OPTIMIZATIONS = ("disable", "basic", "extended", "all")
 # an spm.model-only tokenizer's normalisation (models.tokenization.SPM_NORMALIZATIONS; config must not import it)
 SPM_NORMALIZATIONS = ("spm", "transformers5")
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+# dtype: auto's agreement gate needs at least this many usable items of text (the issue's ">= 200 items")
+DTYPE_GATE_MIN_ITEMS = 200
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 DEFAULT_MAX_SEQ_LEN_CAP = 512
@@ -151,7 +175,10 @@ class ModelConfig:
     path: Path
     backend: str = "torch"
     device: str = "auto"
-    dtype: str = "float32"
+    dtype: str = "auto"  # DTYPES; auto: bfloat16 where native and the gate passes (service/backends/precision.py)
+    dtype_gate_agreement: float = 0.99  # auto: fraction of gate items whose label / span / tokens must agree
+    dtype_gate_max_prob_diff: float = 0.05  # auto: largest probability difference bf16 vs fp32 accepted
+    dtype_gate_items: int = 256  # auto: items of calibration text the gate runs (>= DTYPE_GATE_MIN_ITEMS)
     max_batch_size: int = 32
     max_batch_tokens: int = 8192
     max_queue_delay: float = 0.005
@@ -167,6 +194,7 @@ class ModelConfig:
     instances: int = 1
     warmup: bool = True
     length_bucketing: bool = True  # batch similar lengths together (false: plain arrival order)
+    cost_batching: bool = True  # formed batches run as the sub-batches of least predicted time (batcher step 5)
     max_request_batch_share: float = 0.5  # fairness cap per request per batch (encoder models)
     max_batch_time_ms: float = 20.0  # cap on one backend call's hold on the cores while another model waits
     # ONNX Runtime backend (backend: onnx | auto)
@@ -184,6 +212,7 @@ class ModelConfig:
     # translation (RNNsearch) models only
     scheduling: str = "iteration"
     max_active_hypotheses: int = 256
+    encode_batch_delay_ms: float = 2.0  # newcomers held (while others decode) for a shared encoder call
     max_source_tokens: int = 256
     beam_size: int = 5
     max_len_a: float = 2.0
@@ -287,14 +316,16 @@ _SERVER_KEYS = {f.name for f in dataclasses.fields(ServerConfig)}
 _MODEL_KEYS = {f.name for f in dataclasses.fields(ModelConfig)}
 _MODEL_TYPES: dict[str, type] = {
     "name": str, "path": str, "backend": str, "device": str, "dtype": str,
+    "dtype_gate_agreement": float, "dtype_gate_max_prob_diff": float, "dtype_gate_items": int,
     "max_batch_size": int, "max_batch_tokens": int, "max_queue_delay": float, "max_queue_size": int,
     "max_seq_len": int, "doc_stride": int, "max_answer_len": int, "instances": int, "warmup": bool,
     "max_request_texts": int, "max_request_chars": int, "max_qa_windows": int, "align_to_words": bool,
-    "length_bucketing": bool, "max_request_batch_share": float, "max_batch_time_ms": float,
+    "length_bucketing": bool, "cost_batching": bool, "max_request_batch_share": float, "max_batch_time_ms": float,
     "onnx_cache_dir": str, "onnx_intra_op_threads": int, "onnx_graph_optimization": str,
     "onnx_parity_tolerance": float, "onnx_parity_rtol": float, "torch_intra_op_threads": int,
     "torch_unpadded": bool, "spm_normalization": str,
-    "scheduling": str, "max_active_hypotheses": int, "max_source_tokens": int, "beam_size": int,
+    "scheduling": str, "max_active_hypotheses": int, "encode_batch_delay_ms": float,
+    "max_source_tokens": int, "beam_size": int,
     "max_len_a": float, "max_len_b": int, "max_output_tokens": int, "length_penalty": float,
 }
 _SERVER_TYPES: dict[str, type] = {
@@ -339,16 +370,27 @@ def check_doc_stride(where: str, doc_stride: int, max_seq_len: int) -> None:
 
 
 def check_dtype_for_device(model: str, dtype: str, device: str) -> None:
-    """float16/bfloat16 only run on CUDA here; say so clearly instead of failing inside a matmul.
+    """float16 runs on CUDA only, bfloat16 on CUDA or on a CPU that runs it natively
+    (:func:`relserve.service.cpu_features.bf16_support`: AVX512-BF16 / AMX-BF16, or ``RELSERVE_CPU_BF16=assume``);
+    say so clearly instead of serving an emulated, slower-than-float32 model. ``auto`` and float32 run anywhere.
 
     Raises:
-        ConfigError: a half-precision dtype with a non-CUDA device.
+        ConfigError: float16 off CUDA; bfloat16 on a CPU without native support (naming the missing feature).
     """
-    if dtype != "float32" and not device.startswith("cuda"):
-        raise ConfigError(
-            f"model {model!r}: dtype {dtype} needs a CUDA device, but the device is {device!r}; "
-            f"use dtype float32 on CPU"
-        )
+    if dtype in ("auto", "float32") or device.startswith("cuda"):
+        return
+    if dtype == "bfloat16":
+        supported, why = bf16_support()
+        if not supported:
+            raise ConfigError(
+                f"model {model!r}: dtype bfloat16 on CPU needs a CPU with AVX512-BF16 or AMX-BF16, but {why}; "
+                f"use dtype auto or float32 (or set {CPU_BF16_ENV}=assume to run it emulated anyway)"
+            )
+        return
+    raise ConfigError(
+        f"model {model!r}: dtype {dtype} needs a CUDA device, but the device is {device!r}; "
+        f"use dtype auto or float32 on CPU (bfloat16 where the CPU has AVX512-BF16 or AMX-BF16)"
+    )
 
 
 def _coerce(where: str, key: str, value: Any, typ: type) -> Any:
@@ -422,11 +464,27 @@ def validate_model(m: ModelConfig) -> ModelConfig:
         raise ConfigError(f"{where}: device {m.device!r} must be auto, cpu, cuda or cuda:N")
     if m.dtype not in DTYPES:
         raise ConfigError(f"{where}: dtype {m.dtype!r} is not one of {list(DTYPES)}")
+    if m.dtype in ("auto", "bfloat16") and not m.device.startswith("cuda"):
+        # read at load (device auto may resolve to the CPU), where a bad RELSERVE_CPU_BF16 would only fail after
+        # the port is bound (exit 1); refuse it here with the other configuration errors (exit 2)
+        try:
+            cpu_bf16_mode()
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
     if m.device == "cpu":
         check_dtype_for_device(m.name, m.dtype, m.device)
-    if m.backend == "onnx" and m.dtype != "float32":
+    if m.backend == "onnx" and m.dtype not in ("auto", "float32"):
         raise ConfigError(f"{where}: the onnx backend runs float32 graphs only, got dtype {m.dtype}; use backend "
                           f"torch for half precision")
+    if not 0 < m.dtype_gate_agreement <= 1:  # also refuses NaN
+        raise ConfigError(f"{where}: dtype_gate_agreement must be > 0 and <= 1 (the fraction of gate items that must "
+                          f"agree), got {m.dtype_gate_agreement}")
+    if not 0 <= m.dtype_gate_max_prob_diff <= 1:
+        raise ConfigError(f"{where}: dtype_gate_max_prob_diff must be between 0 and 1 (a probability), got "
+                          f"{m.dtype_gate_max_prob_diff}")
+    if m.dtype_gate_items < DTYPE_GATE_MIN_ITEMS:
+        raise ConfigError(f"{where}: dtype_gate_items must be >= {DTYPE_GATE_MIN_ITEMS} (the agreement gate runs on "
+                          f"at least that many items), got {m.dtype_gate_items}")
     positive = ("max_batch_size", "max_batch_tokens", "max_queue_size", "doc_stride", "max_answer_len",
                 "max_request_texts", "max_request_chars", "max_qa_windows")
     for key in positive:
@@ -472,6 +530,9 @@ def validate_model(m: ModelConfig) -> ModelConfig:
                           f"{m.onnx_parity_rtol}")
     if m.scheduling not in SCHEDULING:
         raise ConfigError(f"{where}: scheduling {m.scheduling!r} is not one of {list(SCHEDULING)}")
+    if not 0 <= m.encode_batch_delay_ms <= 1000:  # also refuses NaN
+        raise ConfigError(f"{where}: encode_batch_delay_ms must be between 0 and 1000 ms (0: no hold), got "
+                          f"{m.encode_batch_delay_ms}")
     for key in ("max_active_hypotheses", "max_source_tokens", "max_output_tokens"):
         if getattr(m, key) < 1:
             raise ConfigError(f"{where}: {key} must be >= 1, got {getattr(m, key)}")

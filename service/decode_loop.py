@@ -12,7 +12,15 @@ loop
    each, reserved at admission) fit in ``max_active_hypotheses`` and the encoder batch fits
    ``max_batch_size`` sequences and ``max_batch_tokens`` padded tokens (a single sequence that does not
    fit an empty loop is still admitted, alone). Admission is strictly FIFO: a sequence never overtakes
-   an older one;
+   an older one. All sequences admitted together are encoded in one (padded) encoder call. While other
+   sequences are decoding, newcomers are held for at most ``encode_batch_delay`` from the oldest one's
+   arrival so that several are encoded together (an encoder call for one or two sources costs nearly as
+   much as one for many: a recurrent encoder runs once per source position whatever the batch; measured
+   in ``loadtest/bench_translation.py --capacity``); the loop keeps stepping meanwhile, so
+   the hold never idles the cores, and it ends early once what waits fills an encoder batch
+   (``max_batch_size`` / ``max_batch_tokens``; a full hypothesis budget does not end it, since the next
+   step frees places for a fuller batch). A held newcomer is an ordinary waiting sequence: cancelling it
+   or its deadline frees its place at once;
 3. runs one step: the plan (:class:`StepPlan`) is the ids of the active sequences and their live
    hypothesis counts; the backend executes it in the model's executor thread, off the event loop,
    holding the process's compute slot (``service/compute.py``: with ``compute_scheduling: fair`` one
@@ -21,7 +29,9 @@ loop
    reply slot gets the n-best list; streaming sequences get their best hypothesis so far.
 
 A step that raises fails only the sequences in that step (waiting ones are untouched); an update that
-is an Exception, or carries a non-finite score, fails only its own sequence.
+is an Exception, or carries a non-finite score, fails only its own sequence. An encoder call over several
+newcomers that raises is retried one newcomer at a time, so a source the backend cannot encode fails
+only its own request.
 
 ``scheduling="request"`` is the classic request-level alternative used as the benchmark's baseline: a
 group of sequences is admitted only when the loop is empty and decoded to completion before the next
@@ -111,6 +121,9 @@ class DecodeLoop:
         max_batch_size: sequences per encoder batch.
         max_batch_tokens: padded source tokens per encoder batch (size x longest).
         max_queue_delay: seconds an idle loop waits for company before encoding the first arrival.
+        encode_batch_delay: seconds (from the oldest newcomer's arrival) newcomers are held while other
+            sequences decode, so that several share one encoder call; 0: admitted at the next step.
+            Iteration scheduling only (request-level admits only into an empty loop).
         max_queue_size: sequences allowed to wait; beyond it submissions raise ResourceExhausted.
         observer: metrics hooks.
         compute: the model's :class:`relserve.service.compute.Lane`: encoder batches and decoder steps take
@@ -128,14 +141,16 @@ class DecodeLoop:
         max_batch_size: int = 32,
         max_batch_tokens: int = 8192,
         max_queue_delay: float = 0.0,
+        encode_batch_delay: float = 0.0,
         max_queue_size: int = 1024,
         observer: LoopObserver | None = None,
         compute: Lane | None = None,
     ) -> None:
         if scheduling not in SCHEDULING:
             raise ValueError(f"scheduling {scheduling!r} is not one of {SCHEDULING}")
-        if min(max_active_hypotheses, max_batch_size, max_batch_tokens, max_queue_size) < 1 or max_queue_delay < 0:
-            raise ValueError("decode loop limits must be positive (max_queue_delay >= 0)")
+        if (min(max_active_hypotheses, max_batch_size, max_batch_tokens, max_queue_size) < 1 or max_queue_delay < 0
+                or encode_batch_delay < 0):
+            raise ValueError("decode loop limits must be positive (max_queue_delay, encode_batch_delay >= 0)")
         self.name = name
         self.backend = backend
         self.scheduling = scheduling
@@ -143,6 +158,7 @@ class DecodeLoop:
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.max_queue_delay = max_queue_delay
+        self.encode_batch_delay = encode_batch_delay
         self.max_queue_size = max_queue_size
         self.observer = observer or LoopObserver()
         self._waiting: list[DecodeSeq] = []
@@ -160,6 +176,8 @@ class DecodeLoop:
         # counters for tests and logs
         self.steps = 0
         self.encoder_batches = 0
+        self.encoded_sequences = 0
+        self.held_steps = 0  # decoder steps run while newcomers were held for a fuller encoder batch
         self.plans: list[StepPlan] = []  # the last few plans (bounded), for tests
         self.max_plans_kept = 1000
 
@@ -312,7 +330,7 @@ class DecodeLoop:
                         if not self._active and self.max_queue_delay > 0:
                             await self._linger()
                             self._drop_dead_waiting()
-                        batch = self._take_admissions()
+                        batch = [] if self._holding() else self._take_admissions()
                         if batch:
                             await self._encode(batch)
                     if self._active:
@@ -374,22 +392,44 @@ class DecodeLoop:
     def _reserved(self) -> int:
         return sum(s.options.beam_size for s in self._active)
 
-    def _take_admissions(self) -> list[DecodeSeq]:
-        """Oldest first, stopping at the first that does not fit (strict FIFO)."""
+    def _holding(self) -> bool:
+        """Whether the newcomers wait one more step for company (see ``encode_batch_delay``): only while other
+        sequences decode (an idle loop lingers with max_queue_delay instead), until the oldest newcomer
+        has waited encode_batch_delay, and not once what waits fills an encoder batch (holding could only
+        add latency then). Counts the steps it holds for (``held_steps``)."""
+        if not (self._active and self._waiting and self.encode_batch_delay > 0):
+            return False
+        if time.monotonic() >= self._waiting[0].enqueued_at + self.encode_batch_delay:
+            return False
+        if self._admissible()[1]:
+            return False  # the encoder batch is full (max_batch_size / max_batch_tokens): nothing to wait for
+        # a hypothesis budget that blocks is no reason to stop: the next step frees places for a fuller batch
+        self.held_steps += 1
+        return True
+
+    def _admissible(self) -> tuple[int, bool]:
+        """How many waiting sequences the next admission takes (oldest first, stopping at the first that does not
+        fit: strict FIFO), and whether it stopped because the encoder batch is full (max_batch_size or
+        max_batch_tokens) rather than the hypothesis budget or the end of the queue."""
         reserved = self._reserved()
-        chosen: list[DecodeSeq] = []
+        chosen = 0
         longest = 0
         for s in self._waiting:
-            if len(chosen) >= self.max_batch_size:
-                break
+            if chosen >= self.max_batch_size:
+                return chosen, True
             empty = not chosen and not self._active
             if reserved + s.options.beam_size > self.max_active_hypotheses and not empty:
-                break
-            if (len(chosen) + 1) * max(longest, s.tokens) > self.max_batch_tokens and chosen:
-                break
-            chosen.append(s)
+                return chosen, False
+            if (chosen + 1) * max(longest, s.tokens) > self.max_batch_tokens and chosen:
+                return chosen, True
+            chosen += 1
             reserved += s.options.beam_size
             longest = max(longest, s.tokens)
+        return chosen, chosen >= self.max_batch_size
+
+    def _take_admissions(self) -> list[DecodeSeq]:
+        """The next admission (:meth:`_admissible`), taken out of the queue."""
+        chosen = self._waiting[: self._admissible()[0]]
         if chosen:
             self._waiting = self._waiting[len(chosen):]
             self.observer.queue_depth(len(self._waiting))
@@ -405,16 +445,16 @@ class DecodeLoop:
         start = time.monotonic()
         for s in batch:
             s.queue_s = start - s.enqueued_at
-        items = [StartItem(s.seq_id, s.source_ids, s.options) for s in batch]
         self.encoder_batches += 1
-        start_live = queueing.live_only(batch, self.backend.start, lambda its, live: [its[i] for i in live],
-                                        self.name)
-        results, _ = await queueing.call_backend(  # a failure fails only this encoder batch
-            self._executor, start_live, items, batch,
-            name=self.name, what=f"encoding a batch of {len(batch)}", log=log,
-            mismatch=lambda n: f"backend of model {self.name!r} started {n} of {len(batch)} sources",
-            lane=self._lane,
-        )
+        self.encoded_sequences += len(batch)
+        results, failed = await self._start(batch)
+        if failed and len(batch) > 1:
+            # the call raised as a whole: one source may be what broke it, so each newcomer is encoded alone
+            # and only the culprit's request fails (a started beam is released first, in case it was kept)
+            await self._release(batch)
+            results = []
+            for s in batch:
+                results.extend((await self._start([s]))[0])
         elapsed = time.monotonic() - start
         joined, dropped = [], []
         for s, res in zip(batch, results):
@@ -436,6 +476,20 @@ class DecodeLoop:
             self.observer.active(self.active_hypotheses)
         except Exception:
             log.exception("model %r: observer failed", self.name)
+
+    async def _start(self, batch: list[DecodeSeq]) -> tuple[list, bool]:
+        """One encoder call over ``batch`` (members gone by the time it runs are left out); one result per
+        member and whether the call failed as a whole."""
+        assert self._executor is not None
+        items = [StartItem(s.seq_id, s.source_ids, s.options) for s in batch]
+        start_live = queueing.live_only(batch, self.backend.start, lambda its, live: [its[i] for i in live],
+                                        self.name)
+        return await queueing.call_backend(
+            self._executor, start_live, items, batch,
+            name=self.name, what=f"encoding a batch of {len(batch)}", log=log,
+            mismatch=lambda n: f"backend of model {self.name!r} started {n} of {len(batch)} sources",
+            lane=self._lane,
+        )
 
     async def _step(self) -> None:
         assert self._executor is not None

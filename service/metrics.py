@@ -31,6 +31,7 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 REJECTION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 BATCH_TOKENS_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+PADDING_EFFICIENCY_BUCKETS = (0.25, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 1.0)
 
 UNKNOWN_MODEL = "_unknown_"  # label for requests naming a model that is not loaded (bounded cardinality)
 
@@ -67,6 +68,11 @@ BATCH_TOKENS = Histogram(
 )
 TOKENS = Counter(
     "relserve_tokens", "Tokens computed, real or padding", ["model", "kind"]
+)
+BATCH_PADDING_EFFICIENCY = Histogram(
+    "relserve_batch_padding_efficiency",
+    "Real tokens / tokens the attention core sees (size x longest on padded backends), per backend call",
+    ["model"], buckets=PADDING_EFFICIENCY_BUCKETS,
 )
 QUEUE_DEPTH = Gauge("relserve_queue_depth", "Sequences waiting in the batch queue", ["model"])
 INFLIGHT = Gauge("relserve_inflight_requests", "RPCs being processed", ["model"])
@@ -159,6 +165,8 @@ def observe_batch(model: str, backend: str, size: int, real_tokens: int, padded_
     BATCH_TOKENS.labels(model).observe(padded_tokens)
     TOKENS.labels(model, "real").inc(real_tokens)
     TOKENS.labels(model, "padding").inc(max(0, padded_tokens - real_tokens))
+    if padded_tokens > 0:
+        BATCH_PADDING_EFFICIENCY.labels(model).observe(min(1.0, real_tokens / padded_tokens))
     INFERENCE_DURATION.labels(model, backend).observe(inference_s)
     q = QUEUE_DURATION.labels(model)
     for s in queue_s:

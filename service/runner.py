@@ -27,7 +27,7 @@ import numpy as np
 from . import metrics
 from .backends.base import TASK_CLASSIFICATION, TASK_QA, Backend, ModelMeta
 from .batcher import Batcher, BatchStats, Unit
-from .compute import ComputeScheduler, Lane
+from .compute import COST_TERM_UNITS, BatchCostModel, ComputeScheduler, Lane, calibrate, calibration_shapes
 from .config import DEFAULT_DOC_STRIDE, ModelConfig
 from .errors import ConfigError, Internal, InvalidArgument, Unavailable
 from relserve.models import qa_spans
@@ -102,6 +102,7 @@ class ModelInfo:
     labels: tuple[str, ...]
     max_batch_size: int
     function_to_apply: str = ""  # classification: the scores' default function (classify.default_function)
+    dtype_reason: str = ""  # why this dtype (ModelMeta.dtype_reason: dtype auto's choice and its gate numbers)
 
 
 @dataclass
@@ -186,8 +187,12 @@ class Runner:
             self.state = "warming"
             if self.config.warmup:
                 t0 = time.monotonic()
-                self.backend.warmup()
+                warmed = self.backend.warmup()
+                if isinstance(warmed, ModelMeta):  # e.g. dtype: auto decided by the agreement gate
+                    self.meta = warmed
                 log.info("model %r: warm-up took %.3f s", self.name, time.monotonic() - t0)
+            if self.meta.dtype_reason:
+                log.info("model %r: dtype %s (%s)", self.name, self.meta.dtype, self.meta.dtype_reason)
         except BaseException:
             self.state = "failed"
             raise
@@ -271,6 +276,7 @@ class Runner:
             max_batch_size=self.scheduler.max_batch_size if self.scheduler else self.config.max_batch_size,
             function_to_apply=(classify.default_function(m.problem_type, len(m.labels))
                                if m and m.task == TASK_CLASSIFICATION else ""),
+            dtype_reason=m.dtype_reason if m else "",
         )
 
     def _check_ready(self) -> Any:
@@ -296,6 +302,35 @@ class ModelRunner(Runner):
     def __init__(self, config: ModelConfig, backend: Backend, tasks: TaskProcessing | None = None) -> None:
         super().__init__(config, backend)
         self.tasks: TaskProcessing = tasks or DefaultTaskProcessing()
+        # fitted by load() from warm-up probes, then refined by the batcher from every call
+        self.batch_cost = BatchCostModel()
+
+    def load(self) -> None:
+        """Load and warm up (:meth:`Runner.load`), then, with warm-up and ``cost_batching`` on, fit the batch
+        cost model from probe batches of a few shapes (:func:`relserve.service.compute.calibration_shapes`)
+        on the model's own device, so that the first batches are already split by a measured model. A
+        backend without ``probe_batch(lengths)`` (test fakes) is not probed; its fit comes from live calls.
+
+        Raises:
+            as :meth:`Runner.load`; and whatever a probe batch raises (``state`` becomes ``failed``).
+        """
+        super().load()
+        make = getattr(self.backend, "probe_batch", None)
+        if not (self.config.warmup and self.config.cost_batching and callable(make)):
+            return
+        try:
+            t0 = time.monotonic()
+            cap = self.backend.max_batch_size
+            shapes = calibration_shapes(self.max_seq_len, min(self.config.max_batch_size, cap or 1 << 30),
+                                        self.config.max_batch_tokens)
+            n = calibrate(self.backend.run, make, shapes, self.batch_cost, is_padded=self.backend.is_padded)
+        except BaseException:
+            self.state = "failed"
+            raise
+        coef = self.batch_cost.coefficients()
+        log.info("model %r: batch cost model from %d warm-up probes in %.2f s: %s", self.name, n,
+                 time.monotonic() - t0, "no fit" if coef is None else ", ".join(
+                     f"{term} {value:.3g}" for term, value in zip(COST_TERM_UNITS, coef)))
 
     @property
     def batcher(self) -> Batcher | None:
@@ -335,6 +370,8 @@ class ModelRunner(Runner):
             on_queue_depth=lambda n: metrics.set_queue_depth(self.name, n),
             on_batch=self._observe_batch,
             compute=self._compute_lane(),
+            cost_batching=self.config.cost_batching,
+            batch_cost=self.batch_cost,
         )
 
     def _observe_batch(self, stats: BatchStats) -> None:

@@ -83,7 +83,7 @@ class TranslationRunner(Runner):
         return DecodeLoop(
             self.name, self.backend, scheduling=c.scheduling, max_active_hypotheses=c.max_active_hypotheses,
             max_batch_size=c.max_batch_size, max_batch_tokens=c.max_batch_tokens, max_queue_delay=c.max_queue_delay,
-            max_queue_size=c.max_queue_size, observer=_Observer(self.name, self.backend.name),
+            encode_batch_delay=c.encode_batch_delay_ms / 1000, max_queue_size=c.max_queue_size, observer=_Observer(self.name, self.backend.name),
             compute=self._compute_lane(),
         )
 

@@ -25,6 +25,10 @@ from pathlib import Path
 import pytest
 
 # The shared-data policy (../shared/data, else the committed cut in loadtest/data, else skip) is fixtures/data.py.
+# The suite's numbers must not depend on the CI machine's CPU: with AVX512-BF16 / AMX, ``dtype: auto`` would run
+# the bf16 gate at every server start and serve bf16 where it passes. Tests of ``auto`` set the override themselves.
+os.environ.setdefault("RELSERVE_CPU_BF16", "off")
+
 from fixtures.data import SHARED_DATA
 from fixtures.data import read_jsonl as _jsonl
 from relserve.models.tokenization import SPECIAL_TOKENS_MAP

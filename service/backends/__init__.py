@@ -54,10 +54,11 @@ def require_onnx(what: str) -> None:
 
 
 def resolved_backend(config: ModelConfig) -> str:
-    """``torch`` or ``onnx``: ``auto`` is ONNX Runtime when the onnx extra is installed and the dtype is float32."""
+    """``torch`` or ``onnx``: ``auto`` is ONNX Runtime when the onnx extra is installed and the dtype is float32 or
+    auto (which the onnx backend serves as float32), else torch."""
     if config.backend != "auto":
         return config.backend
-    return "onnx" if config.dtype == "float32" and not missing_onnx_modules() else "torch"
+    return "onnx" if config.dtype in ("auto", "float32") and not missing_onnx_modules() else "torch"
 
 
 def checkpoint_task(path: str | Path) -> str | None:

@@ -3,11 +3,12 @@ loop, API) is the same for every backend. No torch here: schedulers and backends
 so nothing imports up from a scheduler.
 
 Encoder models (classification, QA) follow :class:`Backend`: ``load()`` reads the checkpoint and returns
-:class:`ModelMeta`, ``warmup()`` runs a throw-away batch, ``run(batch)`` computes one batch and returns one
-result *or one Exception* per item, in order. Items are tokenizer Encodings / QA windows (anything with
-``input_ids`` and ``token_type_ids``). Results are numpy arrays per item: classification
-``float32[num_labels]`` logits; QA a pair ``(start float32[T_i], end float32[T_i])`` unpadded to the item's
-own length ``T_i``.
+:class:`ModelMeta`, ``warmup()`` runs a throw-away batch and returns None, or a :class:`ModelMeta` that
+replaces the one ``load()`` gave (``dtype: auto`` is decided after warm-up, by the agreement gate),
+``run(batch)`` computes one batch and returns one result *or one Exception* per item, in order. Items are
+tokenizer Encodings / QA windows (anything with ``input_ids`` and ``token_type_ids``). Results are numpy
+arrays per item: classification ``float32[num_labels]`` logits; QA a pair ``(start float32[T_i], end
+float32[T_i])`` unpadded to the item's own length ``T_i``.
 
 Translation models follow :class:`StepBackend` (the same ``load`` / ``warmup`` / ``memory_stats`` /
 ``close``, then ``start`` / ``step`` / ``release`` over :class:`StartItem`, :class:`StepPlan` and
@@ -37,12 +38,13 @@ class ModelMeta:
     family: str                     # e.g. "deberta-v2", "rnnsearch-bigru"
     backend: str                    # e.g. "torch", "onnxruntime"
     device: str                     # e.g. "cpu", "cuda:0", "CUDAExecutionProvider:0"
-    dtype: str                      # "float32" | "float16" | "bfloat16"
+    dtype: str                      # "float32" | "float16" | "bfloat16" (what runs; never "auto")
     tokenizer: Any                  # relserve.models.tokenization.Tokenizer / TranslationTokenizer (or a fake)
     labels: tuple[str, ...] = ()    # classification labels in id order
     problem_type: str | None = None  # with the label count, the scores' default (tasks.classify.default_function)
     max_positions: int | None = None  # the model's own limit (max_position_embeddings), None if unbounded
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. translation: eos_token_id; ONNX: graph
+    dtype_reason: str = ""          # why this dtype (dtype: auto's decision and its gate numbers; ListModels)
 
 
 class _Lifecycle(Protocol):
@@ -61,7 +63,12 @@ class _Lifecycle(Protocol):
 
 @runtime_checkable
 class Backend(_Lifecycle, Protocol):
-    """An encoder model behind the batcher."""
+    """An encoder model behind the batcher.
+
+    Optional: ``probe_batch(lengths) -> items`` (synthetic items of exactly those token counts); a backend
+    that has it is timed on a few probe shapes at warm-up to fit the batch cost model
+    (``ModelRunner.load``, ``relserve.service.compute.calibrate``).
+    """
 
     is_padded: bool       # pads a batch to its longest member (the batcher counts padded tokens)
     max_batch_size: int | None  # the backend's own cap (None: whatever the config says)

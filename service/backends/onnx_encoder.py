@@ -31,8 +31,8 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from .base import TASK_CLASSIFICATION, TASK_QA, ModelMeta
 from .graph_cache import GraphMismatch, ParityMismatch, check_graph_origin, load_graphs
-from .onnx_session import open_with_native_fallback, provider_device, select_providers
-from .padding import WarmupEncoding, pad_batch
+from .onnx_session import ONNX_DTYPE_REASON, open_with_native_fallback, provider_device, select_providers
+from .padding import WarmupEncoding, pad_batch, probe_encodings
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,8 @@ class OnnxBackend:
                                     f"{want_out}")
             self.meta = ModelMeta(
                 task=loaded.task, family=cfg.model_type, backend=self.name, device=device, dtype="float32",
-                tokenizer=tok, labels=labels, problem_type=cfg.problem_type, max_positions=max_positions,
+                dtype_reason=f"dtype: {self.config.dtype}; {ONNX_DTYPE_REASON}", tokenizer=tok, labels=labels,
+                problem_type=cfg.problem_type, max_positions=max_positions,
                 extra={"graph": os.fspath(self.graph), "native_ops": bool(lib)},
             )
             self._self_check(loaded.model)
@@ -150,6 +151,12 @@ class OnnxBackend:
         for res in self.run(self._warmup_batch()):
             if isinstance(res, Exception):
                 raise res
+
+    def probe_batch(self, lengths: Sequence[int]) -> list[Any]:
+        """Synthetic items of exactly ``lengths`` tokens (the warm-up probes of the batch cost model)."""
+        if self.meta is None:
+            raise RuntimeError("probe_batch() before load()")
+        return probe_encodings(self.meta.tokenizer, lengths)
 
     def _feeds(self, batch: Sequence[Any]) -> dict[str, np.ndarray]:
         ids, mask, types = pad_batch(batch, self._pad_id)

@@ -22,15 +22,18 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
+# ModelMeta.dtype_reason of both ONNX Runtime backends (``dtype: auto`` never leaves float32 here)
+ONNX_DTYPE_REASON = "the onnx backend runs float32 graphs only"
 
 def select_providers(config: ModelConfig) -> list:
     """ONNX Runtime providers for a model's ``device``: CUDA first when allowed and usable, else CPU.
 
     Raises:
-        ConfigError: a dtype other than float32 (the exported graphs are float32), or ``cuda[:N]`` was asked
+        ConfigError: a dtype other than float32 or auto (the exported graphs are float32; auto is float32
+            here, :data:`ONNX_DTYPE_REASON`), or ``cuda[:N]`` was asked
             for but ONNX Runtime or torch sees no CUDA device.
     """
-    if config.dtype != "float32":
+    if config.dtype not in ("auto", "float32"):
         raise ConfigError(f"model {config.name!r}: the onnx backend runs float32 graphs only, got dtype "
                           f"{config.dtype}; use backend torch for half precision")
     want = config.device

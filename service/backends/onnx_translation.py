@@ -28,7 +28,7 @@ from relserve.models.rnnsearch import encoder_kind
 from ..config import ModelConfig
 from .base import TASK_TRANSLATION, ModelMeta
 from .graph_cache import GraphMismatch, ParityMismatch, check_graph_origin, load_graphs
-from .onnx_session import open_with_native_fallback, provider_device, select_providers
+from .onnx_session import ONNX_DTYPE_REASON, open_with_native_fallback, provider_device, select_providers
 from .translation_steps import BeamStepper, SteppedBackend
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,8 @@ class OnnxTranslationBackend(SteppedBackend):
         kind = encoder_kind(reference)
         self.meta = ModelMeta(
             task=TASK_TRANSLATION, family=f"rnnsearch-{kind}", backend=self.name, device=self._device_label,
-            dtype="float32", tokenizer=tokenizer, max_positions=None,
+            dtype="float32", dtype_reason=f"dtype: {self.config.dtype}; {ONNX_DTYPE_REASON}", tokenizer=tokenizer,
+            max_positions=None,
             extra={"eos_token_id": int(model_config.eos_token_id), "graph": os.fspath(self.graph_dir),
                    "native_ops": bool(lib)},
         )

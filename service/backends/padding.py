@@ -36,3 +36,12 @@ class WarmupEncoding:
     def __init__(self, ids: list[int]) -> None:
         self.input_ids = ids
         self.token_type_ids = [0] * len(ids)
+
+
+def probe_encodings(tokenizer: Any, lengths: Sequence[int]) -> list[WarmupEncoding]:
+    """Synthetic encodings of exactly ``lengths`` tokens each (``[CLS] 5 5 ... [SEP]``, the tokenizer's own
+    special ids), the probe batches that fit a backend's batch cost model at warm-up
+    (``relserve.service.compute.calibrate``)."""
+    cls_id = int(getattr(tokenizer, "cls_token_id", 1) or 1)
+    sep_id = int(getattr(tokenizer, "sep_token_id", 2) or 2)
+    return [WarmupEncoding(([cls_id] + [5] * (n - 2) + [sep_id]) if n >= 2 else [cls_id]) for n in lengths]

@@ -1,8 +1,10 @@
 """PyTorch encoder backend: a classification / QA checkpoint from ``relserve.models.checkpoint`` run eagerly
-under inference_mode (the :class:`relserve.service.backends.base.Backend` contract)."""
+under inference_mode (the :class:`relserve.service.backends.base.Backend` contract). ``dtype: auto`` loads
+float32 and lets the agreement gate of :mod:`.precision` switch to bfloat16 after warm-up."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import Any, Sequence
@@ -16,7 +18,8 @@ from .. import compute
 from ..config import ModelConfig, check_dtype_for_device
 from ..errors import ConfigError
 from .base import TASK_CLASSIFICATION, TASK_QA, ModelMeta
-from .padding import WarmupEncoding, pad_batch
+from . import precision
+from .padding import WarmupEncoding, pad_batch, probe_encodings
 from .torch_device import DTYPES, cuda_memory_stats, release_cuda_cache, resolve_device, use_threads
 from .torch_yield import add_yield_points
 
@@ -33,7 +36,9 @@ class TorchBackend:
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
         self.device = "cpu"
-        self.dtype = DTYPES[config.dtype]
+        self.dtype = torch.float32  # what the model runs in (load(): the plan; warmup(): the gate may change it)
+        self.plan: precision.Plan | None = None
+        self._float32_model: Any = None  # the float32 model while the gate runs its bfloat16 copy
         self.model: Any = None
         self.meta: ModelMeta | None = None
         self.max_seq_len = 0
@@ -46,6 +51,8 @@ class TorchBackend:
     def load(self) -> ModelMeta:
         self.device = resolve_device(self.config.name, self.config.device)
         check_dtype_for_device(self.config.name, self.config.dtype, self.device)
+        self.plan = precision.plan(self.config, self.device)
+        self.dtype = DTYPES[self.plan.dtype]
         ckpt = load_checkpoint(self.config.path, device=self.device, dtype=self.dtype,
                                spm_normalization=self.config.spm_normalization)
         cfg = ckpt.config
@@ -75,18 +82,21 @@ class TorchBackend:
             family=str(getattr(cfg, "model_type", None) or "deberta-v2"),
             backend=self.name,
             device=self.device,
-            dtype=self.config.dtype,
+            dtype=self.plan.dtype,
+            dtype_reason=self.plan.reason + ("; the bfloat16 agreement gate runs at warm-up" if self.plan.gate else ""),
             tokenizer=tok,
             labels=labels,
             problem_type=getattr(cfg, "problem_type", None),
             max_positions=max_positions,
         )
         log.info("model %r: loaded %s (%s) on %s as %s, max_seq_len %d", self.config.name, ckpt.path,
-                 ckpt.task, self.device, self.config.dtype, self.max_seq_len)
+                 ckpt.task, self.device, self.plan.dtype, self.max_seq_len)
         return self.meta
 
-    def warmup(self) -> None:
-        """A short single sequence, then a small batch at full length (allocates the big buffers)."""
+    def warmup(self) -> ModelMeta:
+        """A short single sequence, then a small batch at full length (allocates the big buffers); then, for
+        ``dtype: auto`` where bfloat16 is native, the agreement gate (:func:`.precision.decide`). Returns the
+        model's meta with the dtype that serves and why."""
         if self.meta is None:
             raise RuntimeError("warmup() before load()")
         tok = self.meta.tokenizer
@@ -99,6 +109,37 @@ class TorchBackend:
             for res in self.run(batch):
                 if isinstance(res, Exception):
                     raise res
+        assert self.plan is not None
+        if self.plan.gate:
+            dtype, reason = precision.decide(self.config, self.plan, self.meta.task, self._gate_outcomes,
+                                             self._use_bfloat16, self._use_float32)
+            self.plan = precision.Plan(dtype, reason)
+            self._float32_model = None  # bfloat16 kept: the float32 weights are not needed any more
+            self.meta = dataclasses.replace(self.meta, dtype=dtype, dtype_reason=reason)
+        return self.meta
+
+    def _gate_outcomes(self, items: list[dict[str, str]]) -> list[precision.Outcome]:
+        assert self.meta is not None
+        return precision.encoder_outcomes(self.meta.task, items, tokenizer=self.meta.tokenizer, run=self.run,
+                                          config=self.config, max_seq_len=self.max_seq_len,
+                                          problem_type=self.meta.problem_type)
+
+    def _use_bfloat16(self) -> None:
+        self._float32_model = self.model
+        self.model = precision.to_bfloat16(self.model)
+        self.dtype = torch.bfloat16
+
+    def _use_float32(self) -> None:
+        if self._float32_model is not None:
+            self.model = self._float32_model
+        self._float32_model = None
+        self.dtype = torch.float32
+
+    def probe_batch(self, lengths: Sequence[int]) -> list[Any]:
+        """Synthetic items of exactly ``lengths`` tokens (the warm-up probes of the batch cost model)."""
+        if self.meta is None:
+            raise RuntimeError("probe_batch() before load()")
+        return probe_encodings(self.meta.tokenizer, lengths)
 
     def run(self, batch: Sequence[Any]) -> list[Any]:
         if self.model is None or self.meta is None:

@@ -343,7 +343,7 @@ def test_config_accepted_by_real_loader(which, tmp_path, server_defaults):
     if which == "gpu":
         assert {m.device for m in cfg.models} == {"cuda"}
     if which in ("base", "cpu"):
-        assert {(m.device, m.dtype) for m in cfg.models} == {("cpu", "float32")}
+        assert {(m.device, m.dtype) for m in cfg.models} == {("cpu", "auto")}  # float32 / bfloat16 at load
 
 
 def test_default_model_dirs_exist_in_repo():

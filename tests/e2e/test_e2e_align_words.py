@@ -163,7 +163,8 @@ def test_answers_through_a_real_server_match_the_pipeline(tmp_path_factory, toke
                                              tokenizer_dir=v3_dir, init="matrices", seed=6, hidden_size=48,
                                              intermediate_size=96), v3_tok, "transformers5"),
     }
-    common = dict(device="cpu", max_seq_len=256, max_queue_delay=0.002, doc_stride=32)
+    # parity with transformers: float32, never dtype auto's bfloat16
+    common = dict(device="cpu", dtype="float32", max_seq_len=256, max_queue_delay=0.002, doc_stride=32)
     s = Running(server_config(), [build_runner(ModelConfig(name=n, path=c.path, spm_normalization=m, **common))
                                   for n, (c, _, m) in ckpts.items()])
     try:

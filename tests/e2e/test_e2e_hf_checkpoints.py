@@ -64,7 +64,8 @@ def hf_server(tmp_path_factory, unigram_tokenizer_dir, spm_tokenizer_dir):
         # (spm.model only) are served the same way (the default, sentencepiece's normaliser, is checked against
         # sentencepiece in test_e2e_spm_normalization.py)
         v5 = ",spm_normalization=transformers5" if name.endswith("v3") else ""
-        args += ["--model", f"{name}={d},max_queue_delay=0.02{v5}"]
+        # parity with transformers: float32, never dtype auto's bfloat16
+        args += ["--model", f"{name}={d},max_queue_delay=0.02,dtype=float32{v5}"]
     srv = ServerProcess(args, env={"OMP_NUM_THREADS": "1"}).start()
     channel = grpc.insecure_channel(srv.target)
     try:

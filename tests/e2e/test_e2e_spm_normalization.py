@@ -61,9 +61,10 @@ def spm_server(tmp_path_factory, spm_tokenizer_dir):
                 labels=("negative", "positive"), init="matrices", seed=len(models) + 1, **SHAPE))
     args = []
     for name, (_, ckpt) in models.items():
-        args += ["--model", f"{name}={ckpt.path},max_queue_delay=0.01"]
+        # parity with transformers: float32, never dtype auto's bfloat16
+        args += ["--model", f"{name}={ckpt.path},max_queue_delay=0.01,dtype=float32"]
     # the transformers 5 behaviour, selected per model
-    args += ["--model", f"cls-v5={models['cls-plain'][1].path},spm_normalization=transformers5"]
+    args += ["--model", f"cls-v5={models['cls-plain'][1].path},spm_normalization=transformers5,dtype=float32"]
     srv = ServerProcess(args, env={"OMP_NUM_THREADS": "1"}).start()
     channel = grpc.insecure_channel(srv.target)
     try:

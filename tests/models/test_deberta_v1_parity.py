@@ -285,7 +285,8 @@ def test_qa_and_classification_through_a_real_server(tmp_path_factory):
                             talking_head=True)
     cls = make_v1_checkpoint(root / "cls", task="classification", tokenizer_dir=tok_dir, vocab_size=VOCAB, seed=4)
     hf_tok = transformers.DebertaTokenizer(vocab=str(tok_dir / "vocab.json"), merges=str(tok_dir / "merges.txt"))
-    common = dict(device="cpu", max_seq_len=256, max_queue_delay=0.002, doc_stride=32)
+    # parity with transformers: float32, never dtype auto's bfloat16
+    common = dict(device="cpu", dtype="float32", max_seq_len=256, max_queue_delay=0.002, doc_stride=32)
     s = Running(server_config(), [build_runner(ModelConfig(name="qa", path=qa.path, **common)),
                                   build_runner(ModelConfig(name="cls", path=cls.path, **common))])
     try:

@@ -40,7 +40,8 @@ def served(unigram_tokenizer_dir, tmp_path_factory):
     dirs = {name: make_deberta_checkpoint(root / name, oracle=True, tokenizer_dir=unigram_tokenizer_dir, labels=labels,
                                           init="matrices", seed=i, **over).path
             for i, (name, (labels, over, _)) in enumerate(SHAPES.items())}
-    common = dict(device="cpu", max_seq_len=128, max_queue_delay=0.002)
+    # parity with transformers: float32, never dtype auto's bfloat16
+    common = dict(device="cpu", dtype="float32", max_seq_len=128, max_queue_delay=0.002)
     runners = [build_runner(ModelConfig(name=name, path=d, **common)) for name, d in dirs.items()]
     runners.append(build_runner(ModelConfig(name="one-onnx", path=dirs["one"], backend="onnx",
                                             onnx_cache_dir=root / "onnx-cache", onnx_intra_op_threads=1, **common)))

@@ -58,10 +58,11 @@ def cache_dir(tmp_path_factory):
 def srv(checkpoints, cache_dir):
     common = dict(device="cpu", max_seq_len=128, max_queue_delay=0.002, doc_stride=32)
     runners = [
-        build_runner(ModelConfig(name="cls-torch", path=checkpoints["cls"], **common)),
+        # torch pinned to float32 (compared with the float32 graphs); the onnx models keep dtype auto
+        build_runner(ModelConfig(name="cls-torch", path=checkpoints["cls"], dtype="float32", **common)),
         build_runner(ModelConfig(name="cls-onnx", path=checkpoints["cls"], backend="onnx", onnx_cache_dir=cache_dir,
                                  onnx_intra_op_threads=1, **common)),
-        build_runner(ModelConfig(name="qa-torch", path=checkpoints["qa"], **common)),
+        build_runner(ModelConfig(name="qa-torch", path=checkpoints["qa"], dtype="float32", **common)),
         build_runner(ModelConfig(name="qa-onnx", path=checkpoints["qa"], backend="onnx", onnx_cache_dir=cache_dir,
                                  **common)),
     ]
@@ -76,6 +77,8 @@ def test_list_models_shows_the_provider(srv):
     assert models["cls-torch"].backend == "torch" and models["cls-torch"].device == "cpu"
     assert models["cls-onnx"].backend == "onnxruntime"
     assert models["cls-onnx"].device == "CPUExecutionProvider"
+    assert (models["cls-onnx"].dtype, models["cls-onnx"].dtype_reason) == (
+        "float32", "dtype: auto; the onnx backend runs float32 graphs only")
     assert models["qa-onnx"].task == "question-answering"
 
 

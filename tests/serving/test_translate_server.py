@@ -1,7 +1,7 @@
 """Translation through a real grpc.aio server on a free loopback port, with real (tiny, random) RNNsearch
 checkpoints loaded by ``build_runner`` from their directories: unary and streaming, n-best and alignments,
 C09 and C10, batch invariance (short and long sources mixed in one request and across concurrent
-requests vs solo), status codes, deadline/cancel leaving nothing behind, metrics, backend=onnx giving torch's
+requests vs solo; newcomers held and encoded together while another request decodes vs solo), status codes, deadline/cancel leaving nothing behind, metrics, backend=onnx giving torch's
 answers, runner wiring from the config."""
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def srv(checkpoints):
-    cfg = dict(device="cpu", max_source_tokens=120, max_batch_tokens=4096, max_queue_delay=0.002)
+    # float32 pinned: batched-vs-alone equality to 1e-5 is a float32 property (dtype auto may pick bfloat16)
+    cfg = dict(device="cpu", dtype="float32", max_source_tokens=120, max_batch_tokens=4096, max_queue_delay=0.002)
     runners = [
         build_runner(ModelConfig(name="tr", path=checkpoints["bigru"], **cfg)),
         build_runner(ModelConfig(name="tr-deberta", path=checkpoints["deberta"], **cfg)),
@@ -195,6 +196,50 @@ def test_batch_invariance_across_concurrent_requests_joining_between_steps(srv):
     assert max(len(p.seq_ids) for p in loop.plans) >= 2  # they really shared steps
 
 
+@pytest.fixture(scope="module")
+def held_srv(checkpoints):
+    """Both encoders with a long encode_batch_delay_ms (so that a burst of concurrent newcomers is held while
+    another request decodes and then encoded together) and fp32."""
+    cfg = dict(device="cpu", dtype="float32", max_source_tokens=120, max_batch_tokens=4096, max_queue_delay=0.002,
+               encode_batch_delay_ms=300)
+    runners = [build_runner(ModelConfig(name=f"held-{kind}", path=checkpoints[kind], **cfg))
+               for kind in ("bigru", "deberta")]
+    s = Running(server_config(metrics_port=None), runners)
+    s.wait_serving(timeout=60)
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("kind", ["bigru", "deberta"])
+def test_newcomers_encoded_together_while_decoding_equal_solo(held_srv, kind):
+    model = f"held-{kind}"
+    loop = held_srv.server.registry.runners[model].loop
+    sources = sorted(dev_sources(), key=len)
+    burst = [sources[0], "Ja.", sources[-1], sources[len(sources) // 2], TEN_WORDS, "Nein", sources[-2],
+             sources[len(sources) // 3]]
+    solo = [translate(held_srv, [t], model=model, beam_size=3, n_best=3)[0] for t in burst]
+    with concurrent.futures.ThreadPoolExecutor(len(burst) + 1) as pool:
+        # the tiny random model never emits EOS under beam 16: the anchor decodes all 256 steps
+        anchor = pool.submit(translate, held_srv, sources[-4:], model=model, beam_size=16, max_length=256)
+        while loop.active_sequences < 4:  # the anchor decodes; the burst arrives as newcomers
+            time.sleep(0.001)
+        batches, encoded, held = loop.encoder_batches, loop.encoded_sequences, loop.held_steps
+        futs = [pool.submit(translate, held_srv, [t], model=model, beam_size=3, n_best=3) for t in burst]
+        together = [f.result()[0] for f in futs]
+        anchor.result()
+    assert loop.encoded_sequences - encoded == len(burst)
+    # held while the anchor decoded (the loop stepped without them), then encoded in fewer calls than texts
+    assert loop.held_steps > held and loop.encoder_batches - batches < len(burst)
+    for t, a, b in zip(burst, together, solo):
+        assert [list(h.token_ids) for h in a.hypotheses] == [list(h.token_ids) for h in b.hypotheses], t
+        np.testing.assert_allclose([h.score for h in a.hypotheses], [h.score for h in b.hypotheses], atol=1e-5)
+        # log_prob sums up to 256 token log-probs (-200 and below here): float32 row rounding adds up, so it is
+        # compared relative to its size; score, the per-token mean that ranks hypotheses, is held to 1e-5
+        np.testing.assert_allclose([h.log_prob for h in a.hypotheses], [h.log_prob for h in b.hypotheses],
+                                   rtol=1e-6, atol=1e-5)
+    assert nothing_left(held_srv, model)
+
+
 # ---------------------------------------------------------------------- errors
 
 @pytest.mark.parametrize("request_kw, fragment", [
@@ -272,7 +317,8 @@ def test_metrics(srv):
     assert 'relserve_requests_total{code="OK",model="tr",task="translation"}' in text
     assert 'relserve_queue_duration_seconds_count{model="tr"}' in text
     assert 'relserve_inference_duration_seconds_count{backend="torch",model="tr"}' in text
-    assert 'relserve_model_info{backend="torch",device="cpu",dtype="float32",family="rnnsearch-bigru"' in text
+    dtype = srv.server.registry.runners["tr"].info().dtype  # dtype auto: float32, or bfloat16 where it is native
+    assert f'relserve_model_info{{backend="torch",device="cpu",dtype="{dtype}",family="rnnsearch-bigru"' in text
 
 
 # ---------------------------------------------------------------------- backend=onnx (ONNX Runtime) vs torch
@@ -282,7 +328,8 @@ def test_metrics(srv):
 def onnx_srv(checkpoints, tmp_path_factory):
     pytest.importorskip("onnxruntime")
     cache_dir = tmp_path_factory.mktemp("onnx-translation-cache")
-    common = dict(device="cpu", max_source_tokens=120, max_queue_delay=0.002)
+    # float32 pinned: torch is compared with the float32 graphs
+    common = dict(device="cpu", dtype="float32", max_source_tokens=120, max_queue_delay=0.002)
     runners = [build_runner(ModelConfig(name=f"{kind}-{backend}", path=checkpoints[kind], backend=backend,
                                         onnx_cache_dir=cache_dir, **common))
                for kind in ("bigru", "deberta") for backend in ("torch", "onnx")]

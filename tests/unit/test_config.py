@@ -141,6 +141,9 @@ def test_spm_normalization_key(tmp_path):
 def test_translation_keys(tmp_path):
     m = load_config(model_specs=[f"de-en={tmp_path},scheduling=request,max_active_hypotheses=64"]).model("de-en")
     assert (m.scheduling, m.max_active_hypotheses, m.beam_size, m.max_source_tokens) == ("request", 64, 5, 256)
+    assert m.encode_batch_delay_ms == 2.0
+    held = load_config(model_specs=[f"de-en={tmp_path},encode_batch_delay_ms=0.5"]).model("de-en")
+    assert held.encode_batch_delay_ms == 0.5
 
 
 # ---------------------------------------------------------------------- errors
@@ -161,6 +164,8 @@ def test_translation_keys(tmp_path):
     ("a={d},scheduling=sometimes", "scheduling 'sometimes'"),
     ("a={d},beam_size=17", "beam_size"),
     ("a={d},max_active_hypotheses=0", "max_active_hypotheses"),
+    ("a={d},encode_batch_delay_ms=-1", "encode_batch_delay_ms must be between 0 and 1000 ms"),
+    ("a={d},encode_batch_delay_ms=5000", "encode_batch_delay_ms must be between 0 and 1000 ms"),
     ("a={d},max_request_batch_share=0", "max_request_batch_share must be > 0 and <= 1"),
     ("a={d},max_request_batch_share=1.5", "max_request_batch_share must be > 0 and <= 1"),
     ("a={d},max_request_batch_share=half", "max_request_batch_share must be a number"),
@@ -187,6 +192,21 @@ def test_cli_config_error_exits_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "relserve.service.main", "serve", "--model", f"a={tmp_path}/missing"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "is not a directory" in proc.stderr
+
+
+def test_bad_cpu_bf16_env_is_a_config_error_for_auto_and_bfloat16(tmp_path, monkeypatch):
+    """A RELSERVE_CPU_BF16 typo with dtype auto on device auto used to pass validation and fail only at model
+    load, after the gRPC port was bound (exit 1); it is a configuration error (exit 2) now. Where the variable is
+    never read (float32, or an explicit CUDA device) it stays ignored."""
+    monkeypatch.setenv("RELSERVE_CPU_BF16", "yes")
+    for spec in (f"a={tmp_path}", f"a={tmp_path},device=cpu", f"a={tmp_path},dtype=bfloat16"):
+        with pytest.raises(ConfigError, match=r"model 'a': RELSERVE_CPU_BF16='yes' is not one of"):
+            load_config(model_specs=[spec])
+    assert load_config(model_specs=[f"a={tmp_path},dtype=float32"]).model("a").dtype == "float32"
+    assert load_config(model_specs=[f"a={tmp_path},device=cuda"]).model("a").device == "cuda"
+    proc = subprocess.run([sys.executable, "-m", "relserve.service.main", "serve", "--port", "0", "--metrics-port",
+                           "0", "--model", f"a={tmp_path}"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "RELSERVE_CPU_BF16='yes' is not one of" in proc.stderr
 
 
 # ---------------------------------------------------------------------- transport security and auth

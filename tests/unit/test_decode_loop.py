@@ -21,13 +21,15 @@ class FakeStepBackend:
     """Sequence with source ids ``src`` produces ``len(src)`` tokens ``src[0], src[0]+1, ...`` (capped by
     max_length), growing to ``beam_size`` live hypotheses. Knobs: per-step ``delay``; ``fail_step_with``
     (a source first id whose presence in a step makes the step raise); ``item_error`` / ``nan`` (first ids
-    whose update is an Exception / has a NaN score); ``fail_start`` (first ids whose start fails)."""
+    whose update is an Exception / has a NaN score); ``fail_start`` (first ids whose start fails);
+    ``fail_start_call`` (first ids whose presence makes the whole start call raise)."""
 
     name = "fake"
 
     def __init__(self, *, delay: float = 0.0, fail_step_with: int | None = None, item_error: tuple = (),
-                 nan: tuple = (), fail_start: tuple = ()) -> None:
+                 nan: tuple = (), fail_start: tuple = (), fail_start_call: tuple = ()) -> None:
         self.delay = delay
+        self.fail_start_call = set(fail_start_call)  # first ids whose presence makes the whole start raise
         self.fail_step_with = fail_step_with
         self.item_error = set(item_error)
         self.nan = set(nan)
@@ -40,6 +42,8 @@ class FakeStepBackend:
     def start(self, items):
         self.threads.add(threading.current_thread().name)
         self.starts.append([it.seq_id for it in items])
+        if any(it.source_ids[0] in self.fail_start_call for it in items):
+            raise RuntimeError("encoder call exploded")
         out = []
         for it in items:
             if it.source_ids[0] in self.fail_start:
@@ -361,3 +365,109 @@ def test_queue_full_carries_retry_guidance_unless_the_request_can_never_fit():
     full, never = run(main())
     assert full.retry_after_s is not None and 0.01 <= full.retry_after_s <= 2.0
     assert never.retry_after_s is None
+
+
+# ---------------------------------------------------------------------- newcomers' encoder batching
+
+ENDLESS = DecodeOptions(beam_size=1, n_best=1, max_len_cap=100_000, max_length=100_000)
+
+
+async def _endless(loop: DecodeLoop):
+    """A sequence that decodes until it is discarded, so the loop stays busy for the whole test."""
+    (seq,) = loop.submit([(src(1000, 100_000), ENDLESS)])
+    while loop.active_sequences == 0:
+        await asyncio.sleep(0.001)
+    return seq
+
+
+@pytest.mark.parametrize("hold", [0.0, 30.0])
+def test_newcomers_held_while_decoding_share_one_encoder_call(hold):
+    async def main():
+        be = FakeStepBackend(delay=0.002)
+        loop = await _loop(be, max_batch_size=3, encode_batch_delay=hold)
+        busy = await _endless(loop)
+        tasks = []
+        for i in range(3):  # one newcomer per decoder step
+            seen = loop.steps
+            tasks.append(asyncio.ensure_future(loop.run([(src(10 * (i + 1), 3 + i), P1)])))
+            while loop.steps < seen + 2:
+                await asyncio.sleep(0.001)
+        held = [await t for t in tasks]
+        still_busy = not busy.future.done() and loop.active_sequences == 1
+        loop.discard([busy])
+        solo = [await loop.run([(src(10 * (i + 1), 3 + i), P1)]) for i in range(3)]
+        await loop.close()
+        return be, loop, held, solo, still_busy
+
+    be, loop, held, solo, still_busy = run(main())
+    assert still_busy  # the newcomers joined the running loop and left it while the endless one decoded
+    if hold:
+        # held (while the loop kept stepping) until three waited, the encoder batch's max_batch_size
+        assert be.starts[:2] == [[0], [1, 2, 3]] and loop.held_steps >= 2
+        assert any(set(p.seq_ids) == {0, 1, 2, 3} for p in loop.plans)
+    else:
+        assert be.starts[:4] == [[0], [1], [2], [3]] and loop.held_steps == 0
+    for h, s in zip(held, solo):
+        assert [(x.tokens, x.score) for x in h[0]] == [(x.tokens, x.score) for x in s[0]]
+
+
+def test_held_newcomer_joins_after_the_delay_without_a_full_batch():
+    async def main():
+        be = FakeStepBackend(delay=0.002)
+        loop = await _loop(be, encode_batch_delay=0.003)
+        busy = await _endless(loop)
+        out = await loop.run([(src(50, 4), P1)])
+        joined_while_busy = not busy.future.done()
+        loop.discard([busy])
+        await loop.close()
+        return be, out, joined_while_busy
+
+    be, out, joined_while_busy = run(main())
+    assert joined_while_busy and be.starts[:2] == [[0], [1]]
+    assert out[0][0].tokens == [50, 51, 52, 53]
+
+
+def test_cancelled_or_expired_newcomer_within_the_hold_frees_its_place():
+    async def main():
+        be = FakeStepBackend(delay=0.002)
+        loop = await _loop(be, max_queue_size=1, encode_batch_delay=30.0)
+        busy = await _endless(loop)
+        doomed = asyncio.ensure_future(loop.run([(src(20, 3), P1)]))
+        held_before = loop.held_steps
+        while loop.held_steps < held_before + 2:  # it is being held while the loop steps
+            await asyncio.sleep(0.001)
+        with pytest.raises(ResourceExhausted):
+            loop.submit([(src(30, 3), P1)])  # its place is taken
+        doomed.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await doomed
+        depth_after_cancel = loop.queue_depth
+        late = loop.submit([(src(40, 3), P1)], deadline=time.monotonic() + 0.05)  # the freed place
+        with pytest.raises(DeadlineExceeded, match="before decoding started"):
+            await loop.wait(late)
+        depth_after_deadline = loop.queue_depth
+        ok = loop.submit([(src(60, 2), P1)])  # free again
+        loop.discard([busy])  # the loop empties: the held one is admitted at once
+        await loop.wait(ok)
+        await loop.close()
+        return be, depth_after_cancel, depth_after_deadline, ok[0].result
+
+    be, depth_after_cancel, depth_after_deadline, result = run(main())
+    assert depth_after_cancel == 0 and depth_after_deadline == 0
+    started = [i for batch in be.starts for i in batch]
+    assert 1 not in started and 2 not in started  # neither the cancelled nor the expired one was encoded
+    assert result[0].tokens == [60, 61]
+
+
+def test_failing_encoder_call_over_several_newcomers_fails_only_the_culprit():
+    async def main():
+        be = FakeStepBackend(fail_start_call=(13,))
+        loop = await _loop(be, max_queue_delay=0.05)
+        outs = await asyncio.gather(*(loop.run([(src(f, 3), P1)]) for f in (11, 13, 17)), return_exceptions=True)
+        await loop.close()
+        return be, outs
+
+    be, (ok1, bad, ok2) = run(main())
+    assert be.starts == [[0, 1, 2], [0], [1], [2]]  # the batch raised; then one at a time
+    assert isinstance(bad, Internal) and "encoder call exploded" in str(bad)
+    assert ok1[0][0].tokens == [11, 12, 13] and ok2[0][0].tokens == [17, 18, 19]
