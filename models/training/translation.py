@@ -74,6 +74,20 @@ def load_pairs(path: str, limit: int | None = None) -> list[tuple[str, str]]:
     return pairs
 
 
+def load_train_pairs(paths: Sequence[str], limit: int | None = None) -> list[tuple[str, str]]:
+    """The pairs of several JSON Lines files in order, exact (source, target) duplicates dropped (the first
+    kept): Tatoeba and the Ding dictionary share everyday sentences, and a pair seen twice would be weighted
+    twice. ``limit`` applies per file."""
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for path in paths:
+        for pair in load_pairs(path, limit):
+            if pair not in seen:
+                seen.add(pair)
+                out.append(pair)
+    return out
+
+
 @dataclass
 class Example:
     src: list[int]  # pieces + eos
@@ -265,7 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="relserve train-translation", description=__doc__.split("\n\n")[0],
                                 epilog=f"Needs the relserve[train] extra (sacrebleu, for BLEU/chrF): "
                                        f"{TRAIN_EXTRA_INSTALL}")
-    p.add_argument("--train", help="training JSON lines (source/target)")
+    p.add_argument("--train", help="training JSON lines (source/target); several files comma-separated, deduplicated")
+    p.add_argument("--exclude", help="comma-separated JSON lines files: drop train pairs sharing a source or "
+                   "target sentence with them (e.g. the other corpus' dev split)")
     p.add_argument("--dev", help="dev JSON lines (source/target)")
     p.add_argument("--out", help="checkpoint directory for the best model (by dev BLEU)")
     p.add_argument("--state-dir", help="training state (state.pt, tokenizers); default <out>.state")
@@ -298,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit-train", type=int, default=None)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--autocast", choices=("off", "bf16"), default="off",
+                   help="bf16 autocast for the forward pass (pays only on CPUs with bf16 units: AVX512-BF16/AMX)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--eval-checkpoint", help="evaluate this checkpoint on --dev (greedy and --beam) and exit")
     p.add_argument("--beam", type=int, default=5)
@@ -348,7 +366,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    train_pairs = load_pairs(args.train, args.limit_train)
+    train_pairs = load_train_pairs(args.train.split(","), args.limit_train)
+    if args.exclude:
+        held = {side for path in args.exclude.split(",") for pair in load_pairs(path) for side in pair}
+        n0 = len(train_pairs)
+        train_pairs = [p for p in train_pairs if p[0] not in held and p[1] not in held]
+        _log(f"--exclude: dropped {n0 - len(train_pairs)} train pairs sharing a side with {args.exclude}")
     dev_pairs = load_pairs(args.dev)[: args.dev_subset] if args.dev else []
 
     # Tokenizers: resumed runs use the ones in the state dir.
@@ -461,7 +484,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 break
             t0 = time.perf_counter()
             batch = collate(examples, batches[batch_pos], tok.pad_token_id, tok.bos_token_id)
-            loss, _ = batch_loss(model, batch, tok.pad_token_id, args.label_smoothing)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
+                loss, _ = batch_loss(model, batch, tok.pad_token_id, args.label_smoothing)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)

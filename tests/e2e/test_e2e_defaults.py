@@ -63,7 +63,10 @@ def test_health_reflection_and_models(server):
     assert list(models["sentiment"].labels) == ["negative", "positive"]
     assert models["qa"].task == "question-answering"
     for m in (models["sentiment"], models["qa"]):
-        assert (m.backend, m.device, m.dtype) == ("torch", "cpu", "float32")
+        assert (m.backend, m.device) == ("torch", "cpu")
+        # dtype auto (the default): float32 on CPUs without AVX512-BF16 / AMX-BF16, bfloat16 where native and the
+        # agreement gate passes; either way ListModels says which and why
+        assert m.dtype in ("float32", "bfloat16") and m.dtype_reason.startswith(f"dtype: auto -> {m.dtype}: ")
         assert m.max_seq_len > 0
 
 
@@ -82,8 +85,8 @@ def test_classify_shared_dev_sentences(server):
             assert res.labels[0].score >= res.labels[1].score
             correct += res.labels[0].label == r["label"]
     accuracy = correct / len(rows)
-    # Model card: 74.3 % on the whole dev set (majority class 55.6 %); these 400 gave 74.25 %.
-    assert accuracy > 0.70, accuracy
+    # Model card: 88.2 % on the whole dev set through the server (majority class 55.6 %); these 400 gave 89.75 %.
+    assert accuracy > 0.86, accuracy
 
 
 def _normalize(s: str) -> str:
@@ -111,6 +114,48 @@ def _check_answer(ans, context: str) -> None:
         assert ans.text and ans.text == ans.text.strip()  # C07: no leading/trailing whitespace
 
 
+# First 400 Tatoeba dev rows, beam 5, sacrebleu corpus BLEU; measured through the server with the shipped
+# checkpoints: 39.62 (translate-de-en) and 39.81 (translate-de-en-deberta); the model cards give the whole dev set.
+TRANSLATION_BLEU_FLOORS = {"translate-de-en": 35.0, "translate-de-en-deberta": 35.0}
+
+
+@pytest.mark.parametrize("model", sorted(TRANSLATION_BLEU_FLOORS))
+def test_translate_shared_dev_sentences(server, model):
+    sacrebleu = pytest.importorskip("sacrebleu")
+    _, stub, _ = server
+    rows = jsonl("translation/tatoeba_de_en_dev.jsonl", 400, exact=True)
+
+    def run(chunk):
+        reply = stub.Translate(pb.TranslateRequest(model=model, texts=[r["source"] for r in chunk], beam_size=5),
+                               timeout=300)
+        return [res.hypotheses[0].text for res in reply.results]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        hyps = [h for part in pool.map(run, [rows[i:i + 8] for i in range(0, len(rows), 8)]) for h in part]
+    assert all(h.strip() for h in hyps), "empty translations"
+    bleu = sacrebleu.corpus_bleu(hyps, [[r["target"] for r in rows]]).score
+    assert bleu > TRANSLATION_BLEU_FLOORS[model], bleu
+
+
+@pytest.mark.parametrize("model", sorted(TRANSLATION_BLEU_FLOORS))
+def test_translate_everyday_sentences(server, model):
+    """Two of the model cards' samples: the first impression of a new user."""
+    _, stub, _ = server
+    reply = stub.Translate(pb.TranslateRequest(model=model, texts=["Guten Morgen.", "Wo ist der Bahnhof?"],
+                                               beam_size=5), timeout=60)
+    morning, station = (r.hypotheses[0].text.lower() for r in reply.results)
+    assert "morning" in morning, morning
+    assert "station" in station, station
+
+
+def test_readme_qa_example(server):
+    """README's example answers the question."""
+    _, stub, _ = server
+    reply = stub.Answer(pb.AnswerRequest(model="qa", question="Where do I live?",
+                                         context="My name is Wolfgang and I live in Berlin."), timeout=60)
+    assert reply.answers[0].text == "Berlin"
+
+
 def test_answer_shared_dev_questions(server):
     _, stub, _ = server
     rows = qa_rows("xquad_en_dev.jsonl", exact=True, answers=True)  # all 242, as the model card measured
@@ -133,9 +178,9 @@ def test_answer_shared_dev_questions(server):
         f1s.append(max(_f1(pred, g) for g in golds))
         exact += any(_normalize(pred) == _normalize(g) for g in golds)
     f1, em = 100 * float(np.mean(f1s)), 100 * exact / len(rows)
-    # Model card: EM 7.02 / F1 10.67 on these 242 questions; trivial baselines score F1 1.4 (random
-    # span) and 6.6 (first five words), so the floor sits above both.
-    assert f1 > 8.0 and em > 4.0, (em, f1)
+    # Model card: the numbers through the server on these 242 questions (during training, with 256-token windows:
+    # EM 44.6 / F1 61.6); trivial baselines score F1 1.4 (random span) and 6.6 (first five words).
+    assert f1 > 50.0 and em > 35.0, (em, f1)
 
 
 @pytest.mark.parametrize("sample", ["xquad_zh_sample.jsonl", "xquad_de_sample.jsonl"])
@@ -161,7 +206,8 @@ def test_metrics_endpoint(server):
     ):
         assert name in text, name
     info = [ln for ln in text.splitlines() if ln.startswith("relserve_model_info{") and 'model="sentiment"' in ln]
-    assert info and 'backend="torch"' in info[0] and 'device="cpu"' in info[0] and 'dtype="float32"' in info[0]
+    assert info and 'backend="torch"' in info[0] and 'device="cpu"' in info[0]
+    assert 'dtype="float32"' in info[0] or 'dtype="bfloat16"' in info[0]  # dtype auto's choice
 
 
 # ------------------------------------------------------------------------------------------ bad input
@@ -203,6 +249,10 @@ def test_case_C03_padding_invariance_through_the_server(server):
     tok = load_tokenizer(DEFAULTS / "sentiment")
     long_text = " ".join(r["text"] for r in jsonl("sentiment/dev.jsonl", 60))
     assert len(tok.encode(long_text, max_length=10_000).input_ids) > 500
+    # dtype auto: float32 here, bfloat16 on CPUs that run it natively (8 significant bits: sums over other
+    # padding round differently, by ~1e-3 in a probability)
+    dtype = {m.name: m.dtype for m in stub.ListModels(pb.ListModelsRequest(), timeout=10).models}["sentiment"]
+    tol = 1e-4 if dtype == "float32" else 1e-2
     for texts in (["some text", "some longer text"], ["good", long_text]):
         together = stub.Classify(pb.ClassifyRequest(model="sentiment", texts=texts), timeout=60).results
         with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:  # separate requests, merged by the batcher
@@ -212,7 +262,7 @@ def test_case_C03_padding_invariance_through_the_server(server):
         for a, b in zip(together, solo):
             sa, sb = _scores(a), _scores(b)
             for label in sa:
-                assert sa[label] == pytest.approx(sb[label], abs=1e-4)
+                assert sa[label] == pytest.approx(sb[label], abs=tol)
 
 
 def test_case_C04_spans_only_from_context(server):

@@ -5,10 +5,10 @@
   probabilities / QA logits agree to 1e-4;
 * the sentiment model is clearly above chance on the first 200 shared dev sentences. They are all Amazon
   snippets, 140 positive / 60 negative, so a constant "positive" already scores 0.70: the test asks for
-  accuracy > 0.70 (measured 0.74) *and* balanced accuracy (mean per-class recall, chance 0.5) > 0.62
-  (measured 0.705: recall 0.62 negative, 0.79 positive). Accuracy on all 1,643 dev sentences is 0.743;
-* the QA model beats trivial baselines on the 242 XQuAD dev questions (see QA_F1_FLOOR; it is weak);
-* all of defaults/ together is at most 25 MB (25,000,000 bytes) on disk.
+  accuracy > 0.85 (measured 0.885) *and* balanced accuracy (mean per-class recall, chance 0.5) > 0.83
+  (measured 0.875: recall 0.85 negative, 0.90 positive). Accuracy on all 1,643 dev sentences is 0.882;
+* the QA model keeps its measured quality on the 242 XQuAD dev questions (see QA_F1_FLOOR);
+* each default is at most 32 MB on disk and all of defaults/ together at most 100 MB.
 
 The quality floors were measured on ../shared/data's dev files and are skipped without them; the parity
 checks fall back to the committed cuts in loadtest/data (fixtures/data.py).
@@ -29,7 +29,8 @@ from relserve.models.checkpoint import load_checkpoint
 DEFAULTS = Path(__file__).resolve().parents[2] / "defaults"
 SENTIMENT = DEFAULTS / "sentiment"
 QA = DEFAULTS / "qa"
-SIZE_LIMIT = 25_000_000
+EACH_LIMIT = 32_000_000  # bytes on disk per default model directory
+TOTAL_LIMIT = 100_000_000  # all of defaults/
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +58,14 @@ def _disk_bytes(d: Path) -> int:
 
 
 def test_total_size_on_disk():
-    """Budgets on disk: the encoder defaults (sentiment + qa) <= 25 MB, the translation defaults <= 30 MB."""
+    """Budgets on disk (issue 12): each default <= 32 MB, all of defaults/ together <= 100 MB."""
     dirs = sorted(p for p in DEFAULTS.iterdir() if p.is_dir())
     assert SENTIMENT in dirs and QA in dirs
     assert not list(DEFAULTS.rglob("state.pt")), "training state must not live in defaults/"
     sizes = {p.name: _disk_bytes(p) for p in dirs}
     listing = ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in sizes.items())
-    assert sizes["sentiment"] + sizes["qa"] <= SIZE_LIMIT, listing
-    translation = sum(v for k, v in sizes.items() if k.startswith("translate-"))
-    assert translation <= 30_000_000, listing
+    assert all(v <= EACH_LIMIT for v in sizes.values()), listing
+    assert sum(sizes.values()) <= TOTAL_LIMIT, listing
     assert set(sizes) <= {"sentiment", "qa", "translate-de-en", "translate-de-en-deberta"}, listing
 
 
@@ -83,9 +83,11 @@ def test_sentiment_config():
     cfg = json.loads((SENTIMENT / "config.json").read_text(encoding="utf-8"))
     assert cfg["model_type"] == "deberta-v2"
     assert cfg["architectures"] == ["DebertaV2ForSequenceClassification"]
-    assert cfg["relative_attention"] is True and cfg["position_biased_input"] is False
+    # warm-started from MiniLM: BERT's absolute positions and segments plus relative attention
+    assert cfg["relative_attention"] is True and cfg["position_biased_input"] is True
     assert sorted(cfg["pos_att_type"]) == ["c2p", "p2c"] and cfg["share_att_key"] is True
-    assert cfg["type_vocab_size"] == 0 and cfg["norm_rel_ebd"] == "layer_norm"
+    assert cfg["type_vocab_size"] == 2 and cfg["norm_rel_ebd"] == "layer_norm"
+    assert cfg["num_hidden_layers"] == 6 and cfg["hidden_size"] == 384
     assert {int(k): v for k, v in cfg["id2label"].items()} == {0: "negative", 1: "positive"}
 
 
@@ -140,8 +142,9 @@ def test_sentiment_accuracy_first_200_dev(sentiment_ours):
     majority = float(max(gold.mean(), 1 - gold.mean()))
     recalls = [float((pred[gold == k] == k).mean()) for k in (0, 1)]
     balanced = sum(recalls) / 2
-    assert acc > max(0.70, majority), f"accuracy {acc:.3f} on the first 200 dev sentences (majority {majority:.3f})"
-    assert balanced > 0.62, f"balanced accuracy {balanced:.3f} (recall negative/positive {recalls})"
+    # measured on the shipped checkpoint: accuracy 0.885, recall 0.85 negative / 0.90 positive (balanced 0.875)
+    assert acc > max(0.85, majority), f"accuracy {acc:.3f} on the first 200 dev sentences (majority {majority:.3f})"
+    assert balanced > 0.83, f"balanced accuracy {balanced:.3f} (recall negative/positive {recalls})"
 
 
 def test_qa_parity_with_transformers(qa_ours, transformers_mod):
@@ -189,6 +192,7 @@ def test_qa_answers_dev(qa_ours):
     assert f1 > QA_F1_FLOOR, f"F1 {f1:.1f} on the {len(rows)} XQuAD dev questions"
 
 
-# Measured F1 on all 242 XQuAD-en dev questions: 10.67 (EM 7.02). Trivial baselines on the same questions:
-# a random 1-4 word span 1.4, the first five words of the context 6.6. One question is worth 0.41 F1 points.
-QA_F1_FLOOR = 8.0
+# Measured F1 on all 242 XQuAD-en dev questions during training (256-token windows): 61.58 (EM 44.63); the model
+# card gives the numbers through the server. Trivial baselines on the same questions: a random 1-4 word span 1.4,
+# the first five words of the context 6.6. One question is worth 0.41 F1 points.
+QA_F1_FLOOR = 50.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from relserve.models.tokenization import TranslationTokenizer
 from relserve.models.training.translation import (
     collate,
     encode_pairs,
+    load_train_pairs,
     main as train_main,
     pad_sources,
     translate,
@@ -184,11 +186,6 @@ def test_defaults_translate(name):
     torch.testing.assert_close(hyp.alignment.sum(-1), torch.ones(len(hyp.tokens)))
 
 
-def test_defaults_size_budget():
-    total = sum(p.stat().st_size for d in DEFAULTS.values() for p in d.iterdir())
-    assert total <= 30 * 2**20, f"defaults take {total / 2**20:.1f} MiB (budget 30 MiB)"
-
-
 # --- training CLI -------------------------------------------------------------------------------------------
 
 
@@ -247,3 +244,48 @@ def test_training_deberta_encoder_smoke(tmp_path):
     assert s["step"] == 3 and all(x == x for x in s["losses"])  # finite, not NaN
     model, _, _ = load_translation_checkpoint(tmp_path / "d" / "out")
     assert type(model.encoder).__name__ == "DebertaAnnotationEncoder"
+
+
+def test_load_train_pairs_dedups_exact_pairs_in_order(tmp_path):
+    a = _write_jsonl(tmp_path / "a.jsonl", [("s1", "t1"), ("s2", "t2"), ("s1", "t1"), ("s3", "t3")])
+    b = _write_jsonl(tmp_path / "b.jsonl", [("s2", "t2"), ("s1", "other"), ("s4", "t4"), ("s3", "t3")])
+    # exact (source, target) duplicates go, within a file and across files; the first occurrence keeps its place;
+    # a pair sharing only its source with a kept one is a different pair
+    assert load_train_pairs([a, b]) == [("s1", "t1"), ("s2", "t2"), ("s3", "t3"), ("s1", "other"), ("s4", "t4")]
+    assert load_train_pairs([b, a]) == [("s2", "t2"), ("s1", "other"), ("s4", "t4"), ("s3", "t3"), ("s1", "t1")]
+    # the limit counts each file's rows before deduplication: a -> s1, s2; b -> s2 (a duplicate), (s1, other)
+    assert load_train_pairs([a, b], limit=2) == [("s1", "t1"), ("s2", "t2"), ("s1", "other")]
+
+
+def test_training_two_train_files_and_exclude(tmp_path, capsys):
+    """--train a,b (overlapping) --exclude c: the pairs trained on are the deduplicated union minus every pair
+    whose source or target sentence occurs (on either side) in c; the run finishes and writes a checkpoint."""
+    pairs = _pairs("train", 60)
+    a_pairs, b_pairs = pairs[:40], pairs[25:]  # 15 pairs in both files
+    held = pairs[5:8] + [(pairs[30][1], "a target used as a source"), ("unrelated source", pairs[50][0])]
+    a = _write_jsonl(tmp_path / "a.jsonl", a_pairs)
+    b = _write_jsonl(tmp_path / "b.jsonl", b_pairs)
+    c = _write_jsonl(tmp_path / "c.jsonl", held)
+    union = list(dict.fromkeys(a_pairs + b_pairs))
+    sides = {x for pair in held for x in pair}
+    kept = [p for p in union if p[0] not in sides and p[1] not in sides]
+    assert len(union) == len(set(pairs)) and 5 <= len(union) - len(kept) < len(union)  # the oracle drops some
+    assert load_train_pairs([a, b]) == union
+
+    assert train_main(_train_args(tmp_path, f"{a},{b}", "x", 4, "--exclude", c)) == 0
+    err = capsys.readouterr().err
+    assert f"--exclude: dropped {len(union) - len(kept)} train pairs" in err
+    assert f"train pairs={len(kept)} " in err
+    s = _state(tmp_path, "x")
+    assert s["step"] == 4 and all(x == x for x in s["losses"])
+    model, _, _ = load_translation_checkpoint(tmp_path / "x" / "out")
+    assert model.config.embedding_size == 16
+
+
+def test_training_autocast_bf16_smoke(tmp_path):
+    train = _write_jsonl(tmp_path / "train.jsonl", _pairs("train", 20))
+    assert train_main(_train_args(tmp_path, train, "bf", 3, "--autocast", "bf16")) == 0
+    s = _state(tmp_path, "bf")
+    assert s["step"] == 3 and all(math.isfinite(x) for x in s["losses"])
+    model, _, _ = load_translation_checkpoint(tmp_path / "bf" / "out")
+    assert all(v.dtype == torch.float32 for v in model.state_dict().values() if v.is_floating_point())
