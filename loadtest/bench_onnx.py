@@ -6,6 +6,18 @@ next to a matmul peak measured in the same run.
     python -m relserve.loadtest.bench_onnx                          # 12 layers, 8x128 and 8x512
     python -m relserve.loadtest.bench_onnx --layers 2 --repeats 2   # quick run
     python -m relserve.loadtest.bench_onnx --json bench_onnx.json
+    python -m relserve.loadtest.bench_onnx --dtype int8 --threads 1 --layers 6   # + ONNX Runtime int8
+    python -m relserve.loadtest.bench_onnx --dtype int8 --threads 1 --checkpoint defaults/sentiment
+
+``--dtype int8`` adds the int8 graph (:mod:`relserve.models.onnx.quantize`: dynamic quantization of the MatMul/Gemm
+weights) to the ONNX Runtime paths and prints its throughput over the float32 graph's (``ort_int8 /
+ort_portable``) with their agreement on the shape's rows (same argmax, max softmax difference; random ids on
+random weights, so a coarse check: the serving gate runs real text). ``--checkpoint DIR`` instead benches a real
+classifier through the server's own backend (:class:`relserve.service.backends.onnx_encoder.OnnxBackend`, dtype
+float32 and dtype int8, graphs exported and quantized into a temporary cache) on the committed sentiment
+sentences in length-sorted batches of 32, and prints the int8 backend's agreement-gate result next to the
+throughput ratio. How much int8 gains depends on the CPU: MLAS's u8s8 kernels are one instruction per 4-byte dot
+product with AVX512-VNNI / AVX-VNNI and two (``vpmaddubsw`` + ``vpmaddwd``) on AVX2 without VNNI.
 
 The model is built as in :mod:`relserve.loadtest.bench_encoder` (hidden 768, 12 heads, intermediate 3072,
 256 position buckets, p2c|c2p, shared key, layer-normed relative table; random weights), loaded into ours,
@@ -58,9 +70,64 @@ def matmul_peak(threads: int, seconds: float = 1.0) -> float:
     return 2 * n**3 / best / 1e9
 
 
+def checkpoint_comparison(checkpoint: str, threads: int, repeats: int, batch: int = 32) -> dict:
+    """ONNX Runtime float32 vs int8 through :class:`OnnxBackend` on a classification checkpoint: the committed
+    sentiment sentences (``loadtest/data/sentiment_dev.jsonl``) in length-sorted batches of ``batch``; each round
+    runs all batches on both backends in turn, the median round counts. Returns the summary (also printed)."""
+    from relserve.service.backends.onnx_encoder import OnnxBackend
+    from relserve.service.backends.precision import LOADTEST_DATA
+    from relserve.service.config import ModelConfig
+    from relserve.service.tasks import classify
+
+    texts = [json.loads(line)["text"] for line in open(LOADTEST_DATA / "sentiment_dev.jsonl", encoding="utf-8")]
+    with tempfile.TemporaryDirectory() as cache:
+        backends = {}
+
+        def load(dtype: str, **gate: float) -> OnnxBackend:
+            t0 = time.perf_counter()
+            be = OnnxBackend(ModelConfig(name=dtype, path=checkpoint, backend="onnx", device="cpu", dtype=dtype,
+                                         onnx_intra_op_threads=threads, onnx_cache_dir=cache, **gate))
+            meta = be.load()
+            print(f"{dtype}{' (gate limits ' + str(gate) + ')' if gate else ''}: loaded in "
+                  f"{time.perf_counter() - t0:.1f} s, serving {meta.dtype}: {meta.dtype_reason}")
+            return be
+
+        backends["float32"] = load("float32")
+        gated = load("int8")  # the default gate: what a server would serve
+        # the throughput of the int8 graph is measured even where the gate keeps float32 (limits opened up)
+        backends["int8"] = gated if gated.meta.dtype == "int8" else load("int8", dtype_gate_agreement=1e-9,
+                                                                         dtype_gate_max_prob_diff=1.0)
+        tok = backends["float32"].meta.tokenizer
+        enc = sorted(classify.preprocess(tok, texts, None, backends["float32"].max_seq_len), key=lambda e: len(e.input_ids))
+        batches = [enc[i:i + batch] for i in range(0, len(enc), batch)]
+        times: dict[str, list[float]] = {k: [] for k in backends}
+        for be in backends.values():
+            for b in batches:
+                be.run(b)  # warm-up
+        for _ in range(repeats):
+            for name, be in backends.items():
+                t = time.perf_counter()
+                for b in batches:
+                    be.run(b)
+                times[name].append(time.perf_counter() - t)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        tokens = sum(len(e.input_ids) for e in enc)
+        summary = {"checkpoint": checkpoint, "threads": threads, "sentences": len(enc), "mean_tokens":
+                   round(tokens / len(enc), 1), "batch": batch, "repeats": repeats,
+                   "sentences_per_s": {k: round(len(enc) / v, 1) for k, v in med.items()},
+                   "int8_over_float32": round(med["float32"] / med["int8"], 3),
+                   "int8_served_with_default_gate": gated.meta.dtype, "int8_reason": gated.meta.dtype_reason}
+    print(f"{checkpoint}: {len(enc)} sentences (mean {summary['mean_tokens']} tokens), batches of {batch}, "
+          f"{threads} thread(s), median of {repeats}: ORT float32 {summary['sentences_per_s']['float32']} : ORT "
+          f"int8 {summary['sentences_per_s']['int8']} sentences/s = int8/float32 {summary['int8_over_float32']:.2f}x; "
+          f"with the default gate the server serves {gated.meta.dtype}: {summary['int8_reason']}")
+    return summary
+
+
 def main(argv: list[str] | None = None) -> dict:
     from relserve.loadtest.bench_encoder import build_models
     from relserve.models.onnx.export import export_model
+    from relserve.models.onnx.quantize import quantize_graph
     from relserve.models.onnx.runtime import make_session
     from relserve.models.onnx.runtime import native_library
 
@@ -71,8 +138,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch and ORT intra-op threads")
     parser.add_argument("--json", metavar="FILE", help="also write the summary here")
+    parser.add_argument("--dtype", choices=("float32", "int8"), default="float32",
+                        help="int8: also run the dynamically quantized graph and print int8 / float32")
+    parser.add_argument("--checkpoint", metavar="DIR", help="bench this classifier's float32 vs int8 graphs "
+                                                           "through the server's backend instead (implies --dtype int8)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.checkpoint:
+        summary = checkpoint_comparison(args.checkpoint, args.threads, args.repeats)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(summary, f, indent=2)
+        return summary
 
     peak_before = matmul_peak(args.threads)  # measured before and after the runs; the higher one counts
     t0 = time.perf_counter()
@@ -89,6 +166,12 @@ def main(argv: list[str] | None = None) -> dict:
         lib = native_library()
         if lib:
             paths["ort_native"] = make_session(graph, intra_op_threads=args.threads, native_library=lib)
+        if args.dtype == "int8":
+            t0 = time.perf_counter()
+            with open(graph, "rb") as f:
+                quantize_graph(f.read(), os.path.join(d, "int8"), checkpoint_sha256="bench")
+            print(f"quantized in {time.perf_counter() - t0:.1f} s")
+            paths["ort_int8"] = make_session(os.path.join(d, "int8", "model.onnx"), intra_op_threads=args.threads)
         results = []
         for shape in args.shapes.split(","):
             B, T = (int(x) for x in shape.lower().split("x"))
@@ -107,7 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
                 return paths[name].run(None, feeds)[0]
 
             outs = {name: run(name) for name in paths}  # warm-up + agreement
-            diff = max(float(np.max(np.abs(o - outs["torch"]))) for o in outs.values())
+            # the float32 paths must agree on the logits; int8 is compared on decisions and probabilities below
+            diff = max(float(np.max(np.abs(o - outs["torch"]))) for k, o in outs.items() if k != "ort_int8")
             times: dict[str, list[float]] = {name: [] for name in paths}
             for _ in range(args.repeats):
                 for name in paths:
@@ -126,10 +210,20 @@ def main(argv: list[str] | None = None) -> dict:
                 "best_gflops": round(flops / med[best] / 1e9, 1),
                 "max_abs_diff": diff,
             }
+            if "ort_int8" in paths:
+                p32, p8 = (torch.softmax(torch.from_numpy(outs[k]).double(), -1).numpy()
+                           for k in ("ort_portable", "ort_int8"))
+                row["int8_over_ort_fp32"] = round(med["ort_portable"] / med["ort_int8"], 3)
+                row["int8_argmax_agreement"] = float(np.mean(p32.argmax(-1) == p8.argmax(-1)))
+                row["int8_max_prob_diff"] = float(np.max(np.abs(p32 - p8)))
             results.append(row)
             ratio = " : ".join(f"{k} {row['ratio_vs_transformers'][k]:.2f}" for k in paths)
             print(f"{B}x{T}: {ratio} (throughput relative to transformers; median of {args.repeats}); "
                   f"best {best} {row['best_gflops']} GFLOP/s; max |diff| {diff:.1e}")
+            if "ort_int8" in paths:
+                print(f"{B}x{T}: ORT int8 / ORT float32 throughput {row['int8_over_ort_fp32']:.2f}x; int8 agreement "
+                      f"on these {B} rows: argmax {row['int8_argmax_agreement']:.3f}, max probability difference "
+                      f"{row['int8_max_prob_diff']:.3g}")
     peak = max(peak_before, matmul_peak(args.threads))
     print(f"matmul peak (2048^3 fp32, {args.threads} threads, best of before/after): {peak:.1f} GFLOP/s")
     summary = {"layers": args.layers, "threads": args.threads, "export_seconds": round(export_s, 1),

@@ -48,17 +48,23 @@ Example file::
       - name: sentiment
         path: defaults/sentiment          # relative paths are relative to the config file
         device: auto                      # auto | cpu | cuda | cuda:N
-        dtype: auto                       # auto | float32 | bfloat16 | float16. auto (the default): bfloat16
+        dtype: auto                       # auto | float32 | bfloat16 | float16 | int8. auto (default): bfloat16
                                           #   where the device runs it natively (CUDA with bf16 support; a CPU
                                           #   with AVX512-BF16 or AMX-BF16, see service/cpu_features.py and its
                                           #   RELSERVE_CPU_BF16 override) and the agreement gate below passes,
                                           #   else float32; the choice and its reason are logged and shown in
                                           #   ListModels (dtype, dtype_reason). backend onnx: float32.
-                                          #   bfloat16: only on such devices; float16: CUDA only
+                                          #   bfloat16: only on such devices; float16: CUDA only.
+                                          #   int8 (explicit only; backend onnx, CPU, classification / QA):
+                                          #   the exported graph's MatMul/Gemm weights dynamically quantized
+                                          #   (onnxruntime.quantization, cached beside the float32 graph with
+                                          #   its own sha256), served only if it passes the gate below against
+                                          #   the float32 torch model at load, else the float32 graph serves
         dtype_gate_agreement: 0.99        # auto's gate, run after warm-up on real text (the checkpoint's
-                                          #   calibration.jsonl, else loadtest/data for the task): bfloat16 is
-                                          #   kept when this fraction of items has the same argmax label / best
-                                          #   QA span / greedy translation tokens as float32 ...
+                                          #   calibration.jsonl, else loadtest/data for the task; int8's: at
+                                          #   load, warmup or not): bfloat16 (int8) is kept when this
+                                          #   fraction of items has the same argmax label / best QA span /
+                                          #   greedy translation tokens as float32 ...
         dtype_gate_max_prob_diff: 0.05    # ... and no probability differs by more than this (classification:
                                           #   label probabilities; QA: the best span's score; translation: the
                                           #   mean token probability exp(log_prob / tokens))
@@ -159,7 +165,7 @@ BACKENDS = ("torch", "onnx", "auto")
 ONNX_GRAPH_OPTIMIZATIONS = ("disable", "basic", "extended", "all")
 # an spm.model-only tokenizer's normalisation (models.tokenization.SPM_NORMALIZATIONS; config must not import it)
 SPM_NORMALIZATIONS = ("spm", "transformers5")
-DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 # dtype: auto's agreement gate needs at least this many usable items of text (the issue's ">= 200 items")
 DTYPE_GATE_MIN_ITEMS = 200
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -175,7 +181,8 @@ class ModelConfig:
     path: Path
     backend: str = "torch"
     device: str = "auto"
-    dtype: str = "auto"  # DTYPES; auto: bfloat16 where native and the gate passes (service/backends/precision.py)
+    dtype: str = "auto"  # DTYPES; auto: bfloat16 where native and the gate passes (service/backends/precision.py);
+    # int8: backend onnx only, served when it passes the same gate (service/backends/onnx_encoder.py)
     dtype_gate_agreement: float = 0.99  # auto: fraction of gate items whose label / span / tokens must agree
     dtype_gate_max_prob_diff: float = 0.05  # auto: largest probability difference bf16 vs fp32 accepted
     dtype_gate_items: int = 256  # auto: items of calibration text the gate runs (>= DTYPE_GATE_MIN_ITEMS)
@@ -377,8 +384,8 @@ def check_dtype_for_device(model: str, dtype: str, device: str) -> None:
     Raises:
         ConfigError: float16 off CUDA; bfloat16 on a CPU without native support (naming the missing feature).
     """
-    if dtype in ("auto", "float32") or device.startswith("cuda"):
-        return
+    if dtype in ("auto", "float32", "int8") or device.startswith("cuda"):
+        return  # int8: the onnx backend's, on its CPU provider (validate_model refuses the rest)
     if dtype == "bfloat16":
         supported, why = bf16_support()
         if not supported:
@@ -473,9 +480,15 @@ def validate_model(m: ModelConfig) -> ModelConfig:
             raise ConfigError(f"{where}: {exc}") from None
     if m.device == "cpu":
         check_dtype_for_device(m.name, m.dtype, m.device)
-    if m.backend == "onnx" and m.dtype not in ("auto", "float32"):
-        raise ConfigError(f"{where}: the onnx backend runs float32 graphs only, got dtype {m.dtype}; use backend "
-                          f"torch for half precision")
+    if m.dtype == "int8" and m.backend != "onnx":
+        raise ConfigError(f"{where}: dtype int8 needs backend onnx (int8 is ONNX Runtime's dynamic quantization of "
+                          f"the exported graph; the torch backend has no int8 path), got backend {m.backend}")
+    if m.dtype == "int8" and m.device.startswith("cuda"):
+        raise ConfigError(f"{where}: dtype int8 runs on ONNX Runtime's CPU provider only (dynamically quantized "
+                          f"MatMulInteger graphs), got device {m.device!r}; use device cpu or auto")
+    if m.backend == "onnx" and m.dtype not in ("auto", "float32", "int8"):
+        raise ConfigError(f"{where}: the onnx backend runs float32 graphs only (and int8 ones, dtype: int8), got "
+                          f"dtype {m.dtype}; use backend torch for half precision")
     if not 0 < m.dtype_gate_agreement <= 1:  # also refuses NaN
         raise ConfigError(f"{where}: dtype_gate_agreement must be > 0 and <= 1 (the fraction of gate items that must "
                           f"agree), got {m.dtype_gate_agreement}")

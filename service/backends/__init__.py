@@ -55,7 +55,8 @@ def require_onnx(what: str) -> None:
 
 def resolved_backend(config: ModelConfig) -> str:
     """``torch`` or ``onnx``: ``auto`` is ONNX Runtime when the onnx extra is installed and the dtype is float32 or
-    auto (which the onnx backend serves as float32), else torch."""
+    auto (which the onnx backend serves as float32), else torch. (``dtype: int8`` needs ``backend: onnx`` spelled
+    out: config validation refuses it with auto.)"""
     if config.backend != "auto":
         return config.backend
     return "onnx" if config.dtype in ("auto", "float32") and not missing_onnx_modules() else "torch"
@@ -95,8 +96,14 @@ def create_translation_backend(config: ModelConfig) -> StepBackend:
     """The translation (step) backend named by the model's config (imports its module only here).
 
     Raises:
-        ConfigError: unknown backend, or backend onnx without ONNX Runtime installed.
+        ConfigError: unknown backend, backend onnx without ONNX Runtime installed, or dtype int8 (encoder models
+            only).
     """
+    if config.dtype == "int8":
+        raise ConfigError(f"model {config.name!r}: dtype int8 is for encoder models (classification, QA); it is not "
+                          f"offered for translation checkpoints (their BiGRU encoder graph is one ONNX GRU node, "
+                          f"which ONNX Runtime's dynamic quantization leaves in float32; int8 quantization and its "
+                          f"agreement gate are implemented for the encoder graphs only); use dtype float32 or auto")
     backend = resolved_backend(config)
     if backend == "onnx":
         require_onnx(f"model {config.name!r}: backend onnx")

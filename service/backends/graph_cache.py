@@ -2,7 +2,8 @@
 came from, export (or re-export) them when there are none or they are broken.
 
 Where, in order: the checkpoint directory, its ``onnx/`` folder (what ``relserve export CKPT CKPT/onnx``
-writes), else ``<onnx_cache_dir>/<checkpoint sha256>/``, exported there on first load (written to a
+writes), else ``<onnx_cache_dir>/<checkpoint sha256>/``, exported there on first load; graphs derived from
+those (the int8 graph of ``dtype: int8``) only in ``<onnx_cache_dir>/<checkpoint sha256>-<variant>/`` (written to a
 temporary directory and renamed, so a crashed export never leaves half a graph in the cache; no entry file
 is writable by group or others, whatever the umask).
 
@@ -195,8 +196,14 @@ def _open(config: ModelConfig, d: Path, open_and_check: Callable[[], T], advice:
 
 
 def load_graphs(config: ModelConfig, names: Sequence[str], export: Callable[[Path], None],
-                open_and_check: Callable[[Path, str, Mapping[str, bytes]], T]) -> tuple[T, Path]:
+                open_and_check: Callable[[Path, str, Mapping[str, bytes]], T],
+                variant: str | None = None) -> tuple[T, Path]:
     """Find a model's ONNX graphs (``names``, all in one directory) and return (``open_and_check(...)``, dir).
+
+    ``variant`` (e.g. ``int8-q1``, :data:`relserve.models.onnx.quantize.CACHE_VARIANT`): graphs derived from the
+    exported ones (the int8 graph), found only in the cache, as ``<onnx_cache_dir>/<checkpoint sha256>-<variant>/``,
+    never beside the checkpoint; ``export`` writes them there and its report must record their sha256, which
+    is verified like any cache entry's (same repairs, same refusals).
 
     Where: the checkpoint directory, its ``onnx/`` folder (what ``relserve export CKPT CKPT/onnx`` writes),
     else ``<onnx_cache_dir>/<checkpoint sha256>/``, filled by ``export(tmp_dir)`` on first load.
@@ -217,7 +224,7 @@ def load_graphs(config: ModelConfig, names: Sequence[str], export: Callable[[Pat
     """
     path = Path(config.path)
     digest = checkpoint_hash(path, EXPORT_VERSION)
-    for d in (path, path / "onnx"):
+    for d in (path, path / "onnx") if variant is None else ():
         if os.path.lexists(d / names[0]) and not (d / names[0]).is_file():
             raise GraphMismatch(f"model {config.name!r}: {d / names[0]} is not a readable file (a directory or a "
                                 f"dangling link); remove it, or re-export with `relserve export {path} {d}`")
@@ -237,7 +244,7 @@ def load_graphs(config: ModelConfig, names: Sequence[str], export: Callable[[Pat
             return result, d
     root = Path(os.path.abspath(config.resolved_onnx_cache_dir()))
     file_trust.make_private_dir(root, f"model {config.name!r}: onnx_cache_dir")
-    cache = root / digest
+    cache = root / (digest if variant is None else f"{digest}-{variant}")
     exported_now = False
     for attempt in (1, 2):
         if not all((cache / n).is_file() for n in names):

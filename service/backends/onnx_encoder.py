@@ -9,10 +9,21 @@ Inputs and outputs go through IO binding as torch tensors on the session's devic
 At load the graph and the torch checkpoint run the warm-up batch (a short sequence and a full-length one
 striding through the vocabulary); when somewhere ``|graph - torch| > onnx_parity_tolerance + onnx_parity_rtol *
 |torch|`` the model is refused with :class:`GraphMismatch`.
+
+``dtype: int8`` (explicit only): after the float32 graph has loaded and passed that self-check, its int8 version
+(:mod:`relserve.models.onnx.quantize`: dynamic quantization of the MatMul/Gemm weights) is found in, or written
+to, its own cache entry (``<checkpoint sha256>-int8-q1``, sha256 recorded and verified like the float32 graph's)
+and opened. The self-check does not apply to it (int8 differs from torch by far more than a float32 tolerance);
+instead the agreement gate of :mod:`.precision` runs at load, warm-up or not: the float32 torch model and the
+int8 graph run the gate text, and the int8 graph serves only when they agree (same argmax label / best QA span
+on >= ``dtype_gate_agreement`` of the items, no probability apart by more than ``dtype_gate_max_prob_diff``);
+otherwise the float32 graph serves, and ``dtype_reason`` and a WARNING say why, with the numbers. int8 runs on
+the CPU provider; how much faster it is depends on the CPU (VNNI or not, see the quantize module).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -22,13 +33,15 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from relserve.models.checkpoint import load_checkpoint
+from relserve.models.checkpoint import checkpoint_hash, load_checkpoint
 from relserve.models.onnx.export import export_checkpoint, graph_io_names
-from relserve.models.onnx.runtime import GRAPH_NAME, make_session, run_bound
+from relserve.models.onnx.quantize import CACHE_VARIANT, RECIPE, quantize_graph
+from relserve.models.onnx.runtime import EXPORT_VERSION, GRAPH_NAME, make_session, run_bound
 from relserve.models.onnx.tolerance import Agreement
 
 from ..config import ModelConfig
 from ..errors import ConfigError
+from . import precision
 from .base import TASK_CLASSIFICATION, TASK_QA, ModelMeta
 from .graph_cache import GraphMismatch, ParityMismatch, check_graph_origin, load_graphs
 from .onnx_session import ONNX_DTYPE_REASON, open_with_native_fallback, provider_device, select_providers
@@ -81,21 +94,18 @@ class OnnxBackend:
             export_checkpoint(self.config.path, tmp, parity=False, loaded=loaded,
                               progress=lambda m: log.info("model %r: %s", name, m))
 
+        want_in, want_out = graph_io_names(cfg, loaded.task)
+        fp32_bytes: list[bytes] = []  # the verified float32 graph, which dtype: int8 quantizes
+
         def open_and_check(d: Path, digest: str, graphs: Mapping[str, bytes]) -> str | None:
             self.graph = d / GRAPH_NAME
-            self.session, lib = open_with_native_fallback(name, lambda native: make_session(
-                graphs[GRAPH_NAME], providers=providers, intra_op_threads=self.config.onnx_intra_op_threads,
-                graph_optimization=self.config.onnx_graph_optimization, native_library=native))
-            check_graph_origin(self.config, self.session, self.graph, digest)
+            self.session, lib = self._open_session(graphs[GRAPH_NAME], providers, self.graph, digest, want_in,
+                                                   want_out, loaded.task)
             self.provider = self.session.get_providers()[0]
             self.device, device = provider_device(providers, self.provider)
             self._inputs = [i.name for i in self.session.get_inputs()]
             self._outputs = [o.name for o in self.session.get_outputs()]
-            want_in, want_out = graph_io_names(cfg, loaded.task)
-            if self._inputs != want_in or self._outputs != want_out:
-                raise GraphMismatch(f"model {name!r}: graph {self.graph} has inputs {self._inputs} and outputs "
-                                    f"{self._outputs}, but the checkpoint's {loaded.task} model needs {want_in} -> "
-                                    f"{want_out}")
+            fp32_bytes[:] = [graphs[GRAPH_NAME]]
             self.meta = ModelMeta(
                 task=loaded.task, family=cfg.model_type, backend=self.name, device=device, dtype="float32",
                 dtype_reason=f"dtype: {self.config.dtype}; {ONNX_DTYPE_REASON}", tokenizer=tok, labels=labels,
@@ -108,7 +118,76 @@ class OnnxBackend:
         lib, _ = load_graphs(self.config, (GRAPH_NAME,), export, open_and_check)
         log.info("model %r: ONNX Runtime %s on %s (%s custom ops), parity %.2e", name, self.graph, self.provider,
                  "native" if lib else "portable", self.parity_diff)
+        if self.config.dtype == "int8":
+            self._load_int8(fp32_bytes[0], providers, loaded, want_in, want_out)
         return self.meta
+
+    def _open_session(self, graph: bytes, providers: list, path: Path, digest: str, want_in: list[str],
+                      want_out: list[str], task: str) -> tuple[Any, str | None]:
+        """(session, native library or None) over verified graph bytes, checked for provenance and IO names.
+
+        Raises:
+            GraphMismatch: the graph names another checkpoint, or has other inputs / outputs than the task needs.
+        """
+        session, lib = open_with_native_fallback(self.config.name, lambda native: make_session(
+            graph, providers=providers, intra_op_threads=self.config.onnx_intra_op_threads,
+            graph_optimization=self.config.onnx_graph_optimization, native_library=native))
+        check_graph_origin(self.config, session, path, digest)
+        got_in, got_out = [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()]
+        if got_in != want_in or got_out != want_out:
+            raise GraphMismatch(f"model {self.config.name!r}: graph {path} has inputs {got_in} and outputs "
+                                f"{got_out}, but the checkpoint's {task} model needs {want_in} -> {want_out}")
+        return session, lib
+
+    def _load_int8(self, fp32_graph: bytes, providers: list, loaded: Any, want_in: list[str],
+                   want_out: list[str]) -> None:
+        """``dtype: int8``: open the int8 graph (quantized from ``fp32_graph`` into its own cache entry on first
+        load) and keep it only if it passes the agreement gate against the float32 torch model (module doc).
+
+        Raises:
+            GraphMismatch: the int8 cache entry is refused even after one re-quantization.
+        """
+        name = self.config.name
+        fp32_session, fp32_graph_path = self.session, self.graph
+        checkpoint_sha256 = checkpoint_hash(self.config.path, EXPORT_VERSION)  # what the graphs' metadata records
+
+        def export(tmp: Path) -> None:
+            log.info("model %r: quantizing %s to int8 (onnxruntime dynamic quantization)", name, fp32_graph_path)
+            quantize_graph(fp32_graph, tmp, checkpoint_sha256=checkpoint_sha256)
+
+        def open_and_check(d: Path, digest: str, graphs: Mapping[str, bytes]) -> Any:
+            return self._open_session(graphs[GRAPH_NAME], providers, d / GRAPH_NAME, digest, want_in, want_out,
+                                      loaded.task)[0]
+
+        int8_session, entry = load_graphs(self.config, (GRAPH_NAME,), export, open_and_check, variant=CACHE_VARIANT)
+        int8_graph = entry / GRAPH_NAME
+        gate_run = [lambda batch: self._torch_run(loaded.model, batch)]  # the reference: float32 torch
+
+        def outcomes(items: list[dict[str, str]]) -> list[precision.Outcome]:
+            return precision.encoder_outcomes(self.meta.task, items, tokenizer=self.meta.tokenizer, run=gate_run[0],
+                                              config=self.config, max_seq_len=self.max_seq_len,
+                                              problem_type=self.meta.problem_type)
+
+        def use_int8() -> None:
+            self.session, self.graph = int8_session, int8_graph
+            gate_run[0] = self.run
+
+        def use_float32() -> None:
+            self.session, self.graph = fp32_session, fp32_graph_path
+
+        weights = ("per-channel" if RECIPE["per_channel"] else "per-tensor") + (" 7-bit" if RECIPE["reduce_range"]
+                                                                                  else "")
+        plan = precision.Plan("float32", f"int8 graph {int8_graph} (onnxruntime dynamic quantization, {weights} "
+                                         f"QInt8 MatMul/Gemm weights) vs the float32 torch model", gate=True)
+        dtype, reason = precision.decide(self.config, plan, self.meta.task, outcomes, use_int8, use_float32,
+                                         candidate="int8")
+        if dtype != "int8":
+            use_float32()  # whatever the gate's path, the float32 graph (self-checked above) serves
+            log.warning("model %r: %s; serving the float32 graph %s", name, reason, fp32_graph_path)
+            reason += f"; serving the float32 graph {fp32_graph_path}"
+        # (the runner logs the dtype and its reason once the model has loaded)
+        self.meta = dataclasses.replace(self.meta, dtype=dtype, dtype_reason=reason,
+                                        extra={**self.meta.extra, "graph": os.fspath(self.graph)})
 
     def _warmup_batch(self) -> list[Any]:
         tok = self.meta.tokenizer
@@ -119,23 +198,27 @@ class OnnxBackend:
         spread = [5 + (i * 7919) % span for i in range(self.max_seq_len - 2)]
         return [WarmupEncoding([cls_id, 5, 6, 7, sep_id]), WarmupEncoding([cls_id] + spread + [sep_id])]
 
+    def _torch_run(self, model, batch: Sequence[Any]) -> list[Any]:
+        """The float32 torch checkpoint on ``batch``, fed what the graph is fed; results as :meth:`run` gives
+        them (the reference of the self-check and of the int8 agreement gate)."""
+        feeds = self._feeds(batch)
+        with torch.inference_mode():
+            out = model(*(torch.from_numpy(feeds[k]) for k in self._inputs))
+        if self.meta.task == TASK_CLASSIFICATION:
+            logits = out.float().numpy()
+            return [logits[i].copy() for i in range(len(batch))]
+        start, end = (o.float().numpy() for o in out)
+        return [(start[i, :len(it.input_ids)].copy(), end[i, :len(it.input_ids)].copy()) for i, it in enumerate(batch)]
+
     def _self_check(self, model) -> None:
         """Graph vs torch on the warm-up batch; raises GraphMismatch beyond the tolerance."""
         batch = self._warmup_batch()
         got = self.run(batch)
-        feeds = self._feeds(batch)
-        with torch.inference_mode():
-            out = model(*(torch.from_numpy(feeds[k]) for k in self._inputs))
-        outs = [out] if self.meta.task == TASK_CLASSIFICATION else list(out)
-        want = [o.float().numpy() for o in outs]
+        want = self._torch_run(model, batch)
         agree = Agreement(self.config.onnx_parity_tolerance, self.config.onnx_parity_rtol)
-        for i, item in enumerate(batch):
-            n = len(item.input_ids)
-            if self.meta.task == TASK_CLASSIFICATION:
-                agree.add(got[i], want[0][i])
-            else:
-                for k in range(2):
-                    agree.add(got[i][k], want[k][i, :n])
+        for g, w in zip(got, want):
+            for a, b in (zip(g, w) if self.meta.task == TASK_QA else ((g, w),)):
+                agree.add(a, b)
         self.parity_diff = agree.max_abs_diff
         if not agree.passed:
             raise ParityMismatch(

@@ -22,22 +22,25 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
-# ModelMeta.dtype_reason of both ONNX Runtime backends (``dtype: auto`` never leaves float32 here)
+# ModelMeta.dtype_reason of both ONNX Runtime backends for dtype auto / float32 (``auto`` never leaves float32
+# here; only an explicit ``dtype: int8`` runs the encoder backend's int8 graph)
 ONNX_DTYPE_REASON = "the onnx backend runs float32 graphs only"
 
 def select_providers(config: ModelConfig) -> list:
     """ONNX Runtime providers for a model's ``device``: CUDA first when allowed and usable, else CPU.
 
+    ``dtype: int8`` runs on the CPU provider only (``device`` auto or cpu; validation refuses cuda).
+
     Raises:
-        ConfigError: a dtype other than float32 or auto (the exported graphs are float32; auto is float32
+        ConfigError: a dtype other than float32, auto or int8 (the exported graphs are float32; auto is float32
             here, :data:`ONNX_DTYPE_REASON`), or ``cuda[:N]`` was asked
             for but ONNX Runtime or torch sees no CUDA device.
     """
-    if config.dtype not in ("auto", "float32"):
-        raise ConfigError(f"model {config.name!r}: the onnx backend runs float32 graphs only, got dtype "
-                          f"{config.dtype}; use backend torch for half precision")
+    if config.dtype not in ("auto", "float32", "int8"):
+        raise ConfigError(f"model {config.name!r}: the onnx backend runs float32 graphs only (and int8 ones, dtype: "
+                          f"int8), got dtype {config.dtype}; use backend torch for half precision")
     want = config.device
-    if want == "cpu":
+    if want == "cpu" or config.dtype == "int8":
         return ["CPUExecutionProvider"]
     cuda = "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
     if want.startswith("cuda") and not cuda:

@@ -18,7 +18,8 @@ are followed by QNLI-style (question, one sentence of its context) pairs (the lo
 construction) when the rows alone are fewer than ``dtype_gate_items``: the committed QA text has 100 questions
 and the gate needs at least ``DTYPE_GATE_MIN_ITEMS`` (200) items. Fewer usable items keep float32.
 
-``auto`` never picks float16 or int8.
+``auto`` never picks float16 or int8. The same gate (:func:`decide`) decides whether an explicit ``dtype: int8``
+model of the ONNX encoder backend serves its int8 graph (:mod:`.onnx_encoder`), against the float32 torch model.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class Outcome:
 @dataclass(frozen=True)
 class GateResult:
     """The gate's numbers: ``agreement`` = fraction of ``items`` with equal keys; ``max_prob_diff`` = the largest
-    ``|p_fp32 - p_bf16|`` over all items and probabilities."""
+    ``|p_fp32 - p_candidate|`` (bfloat16 or int8) over all items and probabilities."""
 
     items: int
     agreement: float
@@ -168,9 +169,9 @@ def _item(task: str, row: dict) -> dict[str, str] | None:
 
 
 def judge(reference: Sequence[Outcome], candidate: Sequence[Outcome], source: str) -> GateResult:
-    """Compare the float32 outcomes with the bfloat16 ones, item by item (same order and length)."""
+    """Compare the float32 outcomes with the candidate's (bfloat16, int8), item by item (same order and length)."""
     if len(reference) != len(candidate) or not reference:
-        raise ValueError(f"gate outcomes do not pair up: {len(reference)} float32, {len(candidate)} bfloat16")
+        raise ValueError(f"gate outcomes do not pair up: {len(reference)} float32, {len(candidate)} candidate")
     same = sum(r.key == c.key for r, c in zip(reference, candidate))
     diff = 0.0
     for r, c in zip(reference, candidate):
@@ -190,41 +191,45 @@ def to_bfloat16(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def decide(config: ModelConfig, plan_: Plan, task: str, outcomes: Callable[[list[dict[str, str]]], list[Outcome]],
-           use_bfloat16: Callable[[], None], use_float32: Callable[[], None]) -> tuple[str, str]:
-    """Run the agreement gate of ``plan_`` (a no-op when it asks for none) and return ``(dtype, reason)``.
+           use_candidate: Callable[[], None], use_float32: Callable[[], None],
+           candidate: str = "bfloat16") -> tuple[str, str]:
+    """Run the agreement gate of ``plan_`` (a no-op when it asks for none) and return ``(dtype, reason)``:
+    ``candidate`` when it agrees with float32, else float32.
 
     Args:
         outcomes: runs gate items on the model the backend serves now, one :class:`Outcome` per item.
-        use_bfloat16: makes the backend serve a bfloat16 copy (:func:`to_bfloat16`) of its float32 model.
-        use_float32: makes it serve the float32 model again (the gate failed or bfloat16 raised).
+        use_candidate: makes the backend serve the candidate: a bfloat16 copy (:func:`to_bfloat16`) of its float32
+            model (torch backends, ``dtype: auto``), or the int8 graph (the ONNX encoder backend, ``dtype: int8``).
+        use_float32: makes it serve the float32 model again (the gate failed or the candidate raised).
+        candidate: the dtype under test, for the reason ("bfloat16" or "int8").
 
-    Nothing raises out of the gate: an error in either run keeps float32 and is named in the reason.
+    The reason starts ``dtype: <configured> -> <chosen>:`` and carries the gate's numbers. Nothing raises out of
+    the gate: an error in either run keeps float32 and is named in the reason.
     """
     if not plan_.gate:
         return plan_.dtype, plan_.reason
+    asked = f"dtype: {config.dtype}"
     items, source = gate_items(config.path, task, config.dtype_gate_items)
     if len(items) < DTYPE_GATE_MIN_ITEMS:
         detail = source if not items else f"{source} has only {len(items)} usable items"
-        return "float32", (f"dtype: auto -> float32: {plan_.reason}, but there is no usable agreement-gate text "
+        return "float32", (f"{asked} -> float32: {plan_.reason}, but there is no usable agreement-gate text "
                            f"(at least {DTYPE_GATE_MIN_ITEMS} items needed): {detail}")
     try:
         reference = outcomes(items)
     except Exception as exc:  # e.g. a calibration QA context over max_qa_windows: serve, in float32, and say so
         log.warning("model %r: float32 agreement gate run failed", config.name, exc_info=True)
-        return "float32", f"dtype: auto -> float32: {plan_.reason}, but the gate text failed to run in float32: {exc}"
+        return "float32", f"{asked} -> float32: {plan_.reason}, but the gate text failed to run in float32: {exc}"
     try:
-        use_bfloat16()
-        candidate = outcomes(items)
-        result = judge(reference, candidate, source)
-    except Exception as exc:  # a kernel missing in bfloat16 must not stop the model from serving in float32
+        use_candidate()
+        result = judge(reference, outcomes(items), source)
+    except Exception as exc:  # a kernel missing in the candidate must not stop the model from serving in float32
         use_float32()
-        log.warning("model %r: bfloat16 agreement gate run failed", config.name, exc_info=True)
-        return "float32", f"dtype: auto -> float32: {plan_.reason}, but the bfloat16 run failed: {exc}"
+        log.warning("model %r: %s agreement gate run failed", config.name, candidate, exc_info=True)
+        return "float32", f"{asked} -> float32: {plan_.reason}, but the {candidate} run failed: {exc}"
     if result.passed(config):
-        return "bfloat16", (f"dtype: auto -> bfloat16: {plan_.reason}; agreement gate passed on "
-                            f"{result.describe(config)}")
+        return candidate, f"{asked} -> {candidate}: {plan_.reason}; agreement gate passed on {result.describe(config)}"
     use_float32()
-    return "float32", (f"dtype: auto -> float32: {plan_.reason}, but bfloat16 failed the agreement gate on "
+    return "float32", (f"{asked} -> float32: {plan_.reason}, but {candidate} failed the agreement gate on "
                        f"{result.describe(config)}")
 
 

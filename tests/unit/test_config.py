@@ -160,6 +160,9 @@ def test_translation_keys(tmp_path):
     ("justaname", "NAME=DIR"),
     ("a={d},onnx_graph_optimization=max", "onnx_graph_optimization"),
     ("a={d},backend=onnx,dtype=float16", "float32 graphs only"),
+    ("a={d},dtype=int8", "dtype int8 needs backend onnx (int8 is ONNX Runtime's dynamic quantization"),
+    ("a={d},backend=auto,dtype=int8", "dtype int8 needs backend onnx"),
+    ("a={d},backend=onnx,dtype=int8,device=cuda", "dtype int8 runs on ONNX Runtime's CPU provider only"),
     ("a={d},backend=onnx,onnx_cache_dir=", "onnx_cache_dir is empty"),
     ("a={d},scheduling=sometimes", "scheduling 'sometimes'"),
     ("a={d},beam_size=17", "beam_size"),
@@ -192,6 +195,17 @@ def test_cli_config_error_exits_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "relserve.service.main", "serve", "--model", f"a={tmp_path}/missing"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "is not a directory" in proc.stderr
+
+
+def test_int8_with_backend_torch_exits_2(tmp_path, capsys):
+    """dtype int8 is the onnx backend's; with backend torch it is a configuration error (exit 2) naming the fix,
+    and with backend onnx the same entry validates."""
+    from relserve.service.main import main
+
+    assert main(["serve", "--port", "0", "--model", f"a={tmp_path},dtype=int8,backend=torch"]) == 2
+    err = capsys.readouterr().err
+    assert "configuration error" in err and "dtype int8 needs backend onnx" in err and "got backend torch" in err
+    assert load_config(model_specs=[f"a={tmp_path},dtype=int8,backend=onnx"]).model("a").dtype == "int8"
 
 
 def test_bad_cpu_bf16_env_is_a_config_error_for_auto_and_bfloat16(tmp_path, monkeypatch):

@@ -63,7 +63,7 @@ def test_auto_is_the_default_dtype_and_the_gate_keys_load(tmp_path):
     ("dtype_gate_agreement=1.5", "dtype_gate_agreement must be > 0 and <= 1"),
     ("dtype_gate_max_prob_diff=-0.1", "dtype_gate_max_prob_diff must be between 0 and 1"),
     ("dtype_gate_items=199", f"dtype_gate_items must be >= {DTYPE_GATE_MIN_ITEMS}"),
-    ("dtype=int4", "dtype 'int4' is not one of ['auto', 'float32', 'float16', 'bfloat16']"),
+    ("dtype=int4", "dtype 'int4' is not one of ['auto', 'float32', 'float16', 'bfloat16', 'int8']"),
     ("backend=onnx,dtype=bfloat16", "float32 graphs only"),
 ])
 def test_gate_key_errors_are_clear(tmp_path, spec, fragment):
