@@ -6,9 +6,9 @@
 Reads ``<data>/train.jsonl`` and ``<data>/dev.jsonl`` (JSON Lines with ``text`` and ``label``), tokenizes with
 the project's own tokenizer (``relserve.models.tokenization.load_tokenizer``, the same code the server uses),
 trains ``relserve.models.deberta.DebertaForSequenceClassification`` with AdamW and a linear warm-up/decay
-schedule on length-bucketed, dynamically padded batches, evaluates dev accuracy after every epoch and writes the
-best epoch with ``relserve.models.checkpoint.save_checkpoint`` as a Hugging Face checkpoint directory
-(``config.json`` + ``model.safetensors`` + tokenizer files) that both our loader and
+schedule on length-bucketed, dynamically padded batches, evaluates dev accuracy after every epoch (or every
+``--eval-every`` steps) and writes the best evaluation with ``relserve.models.checkpoint.save_checkpoint`` as a
+Hugging Face checkpoint directory (``config.json`` + ``model.safetensors`` + tokenizer files) that both our loader and
 ``transformers.AutoModelForSequenceClassification`` load.
 
 Training is seeded (``random``, ``numpy``, ``torch``) and resumable: optimizer, scheduler, step counters, RNG

@@ -25,6 +25,7 @@ model of the ONNX encoder backend serves its int8 graph (:mod:`.onnx_encoder`), 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -231,6 +232,22 @@ def decide(config: ModelConfig, plan_: Plan, task: str, outcomes: Callable[[list
     use_float32()
     return "float32", (f"{asked} -> float32: {plan_.reason}, but {candidate} failed the agreement gate on "
                        f"{result.describe(config)}")
+
+
+def gate_torch_backend(backend: Any, task: str) -> None:
+    """Run a torch backend's bfloat16 gate at warm-up when its plan asks for one (:func:`decide`), then set its
+    ``plan`` and ``meta`` to the dtype that serves and why, and drop the copy that does not serve.
+
+    The backend provides ``config``, ``plan``, ``meta``, ``_gate_outcomes(items)``, ``_use_bfloat16()``,
+    ``_use_float32()`` and ``_float32_model`` (the float32 model while the bfloat16 copy is tried).
+    """
+    if not backend.plan.gate:
+        return
+    dtype, reason = decide(backend.config, backend.plan, task, backend._gate_outcomes, backend._use_bfloat16,
+                           backend._use_float32)
+    backend.plan = Plan(dtype, reason)
+    backend._float32_model = None  # decided: the float32 weights are not needed any more if bfloat16 serves
+    backend.meta = dataclasses.replace(backend.meta, dtype=dtype, dtype_reason=reason)
 
 
 # ------------------------------------------------------------------------------------- per-task outcomes

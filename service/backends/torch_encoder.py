@@ -4,7 +4,6 @@ float32 and lets the agreement gate of :mod:`.precision` switch to bfloat16 afte
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from typing import Any, Sequence
@@ -110,12 +109,7 @@ class TorchBackend:
                 if isinstance(res, Exception):
                     raise res
         assert self.plan is not None
-        if self.plan.gate:
-            dtype, reason = precision.decide(self.config, self.plan, self.meta.task, self._gate_outcomes,
-                                             self._use_bfloat16, self._use_float32)
-            self.plan = precision.Plan(dtype, reason)
-            self._float32_model = None  # bfloat16 kept: the float32 weights are not needed any more
-            self.meta = dataclasses.replace(self.meta, dtype=dtype, dtype_reason=reason)
+        precision.gate_torch_backend(self, self.meta.task)
         return self.meta
 
     def _gate_outcomes(self, items: list[dict[str, str]]) -> list[precision.Outcome]:

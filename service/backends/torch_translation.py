@@ -11,7 +11,6 @@ of :mod:`.precision` (greedy tokens, bf16 vs fp32) switch to bfloat16 after warm
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, Callable
 
@@ -79,12 +78,7 @@ class TorchTranslationBackend(SteppedBackend):
         agreement gate (:func:`.precision.decide`). Returns the meta with the dtype that serves and why."""
         super().warmup()
         assert self.plan is not None and self.meta is not None
-        if self.plan.gate:
-            dtype, reason = precision.decide(self.config, self.plan, TASK_TRANSLATION, self._gate_outcomes,
-                                             self._use_bfloat16, self._use_float32)
-            self.plan = precision.Plan(dtype, reason)
-            self._float32_model = None  # bfloat16 kept: the float32 weights are not needed any more
-            self.meta = dataclasses.replace(self.meta, dtype=dtype, dtype_reason=reason)
+        precision.gate_torch_backend(self, TASK_TRANSLATION)
         return self.meta
 
     def _gate_outcomes(self, items: list[dict[str, str]]) -> list[precision.Outcome]:
