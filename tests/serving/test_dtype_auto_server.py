@@ -18,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fixtures.deberta import make_deberta_checkpoint  # noqa: E402
+from fixtures.deberta import make_deberta_checkpoint, make_near_tied_classifier  # noqa: E402
 from fixtures.fake_serving import server_config  # noqa: E402
 from fixtures.server import Running  # noqa: E402
 from fixtures.translation import make_tiny_checkpoint  # noqa: E402
@@ -51,26 +51,9 @@ def _confident(root, tok_dir):
 
 
 def _near_tied(root, tok_dir):
-    """A classifier whose two logits differ by ~1e-4 on the committed sentences, with the sign of the difference
-    following the texts (label row 1 = row 0 + 1e-4 x the main direction in which the pooled features vary, the
-    bias centring it): float32 splits the labels, while in bfloat16 (8 significant bits) both rows round to the
-    same weights and the labels flip on about half the texts. Deterministic."""
+    """float32 splits the labels; in bfloat16 (8 significant bits) they flip on about half the texts."""
     d = root / "tied"
-    model = make_deberta_checkpoint(d, tokenizer_dir=tok_dir, labels=("negative", "positive"), init="matrices",
-                                    seed=2).model
-    tokenizer = load_checkpoint(d).tokenizer
-    pooled = []
-    hook = model.classifier.register_forward_hook(lambda _m, args, _out: pooled.append(args[0][0].detach().clone()))
-    _probs(model, tokenizer, _sentences()[:64], torch.float32)
-    hook.remove()
-    h = torch.stack(pooled).double()
-    mean = h.mean(0)
-    direction = torch.linalg.svd(h - mean, full_matrices=False).Vh[0]
-    with torch.no_grad():
-        step = 1e-4 * direction / (h - mean).matmul(direction).abs().mean()
-        model.classifier.weight[1] = model.classifier.weight[0] + step.float()
-        model.classifier.bias[1] = model.classifier.bias[0] - float(step.dot(mean))
-    return _write(d, model, tok_dir), model
+    return d, make_near_tied_classifier(d, tok_dir, _sentences()[:64])
 
 
 def _sentences():

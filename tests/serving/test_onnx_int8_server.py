@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from fixtures.deberta import make_deberta_checkpoint  # noqa: E402
+from fixtures.deberta import make_deberta_checkpoint, make_near_tied_classifier  # noqa: E402
 from fixtures.fake_serving import server_config  # noqa: E402
 from fixtures.server import Running  # noqa: E402
 from fixtures.translation import make_tiny_checkpoint  # noqa: E402
@@ -58,28 +58,8 @@ def _confident(d, tok_dir):
 
 
 def _near_tied(d, tok_dir):
-    """Two logits ~1e-4 apart on the committed sentences, the sign following the texts (label row 1 = row 0 +
-    1e-4 x the main direction in which the pooled features vary, the bias centring it): float32 splits the
-    labels, while int8 weights (steps of max|column| / 63) round both rows to the same values and the labels follow
-    quantization noise."""
-    model = make_deberta_checkpoint(d, tokenizer_dir=tok_dir, labels=("negative", "positive"), init="matrices",
-                                    seed=2).model
-    tokenizer = load_checkpoint(d).tokenizer
-    pooled = []
-    hook = model.classifier.register_forward_hook(lambda _m, args, _out: pooled.append(args[0][0].detach().clone()))
-    with torch.inference_mode():
-        for t in _sentences()[:64]:
-            ids = torch.tensor([tokenizer.encode(t).input_ids])
-            model(input_ids=ids, attention_mask=torch.ones_like(ids))
-    hook.remove()
-    h = torch.stack(pooled).double()
-    mean = h.mean(0)
-    direction = torch.linalg.svd(h - mean, full_matrices=False).Vh[0]
-    with torch.no_grad():
-        step = 1e-4 * direction / (h - mean).matmul(direction).abs().mean()
-        model.classifier.weight[1] = model.classifier.weight[0] + step.float()
-        model.classifier.bias[1] = model.classifier.bias[0] - float(step.dot(mean))
-    save_checkpoint(model, model.config, d, tokenizer_dir=tok_dir)
+    """float32 splits the labels; int8 weights (steps of max|column| / 63) round both label rows alike."""
+    make_near_tied_classifier(d, tok_dir, _sentences()[:64])
     return d
 
 
