@@ -22,22 +22,28 @@ import time
 import torch
 
 
-def build_models(layers: int, vocab: int):
+def build_models(layers: int, vocab: int, *, hidden: int = 768, heads: int = 12, intermediate: int = 3072,
+                 buckets: int = 256, out_dir: str | None = None):
+    """(transformers model, ours) with the same random weights (seed 0), v3-base layout by default.
+
+    ``out_dir``: keep the saved checkpoint there (``save_pretrained`` layout, servable once a tokenizer is
+    copied in); otherwise it lives in a temporary directory only while ours is loaded.
+    """
     from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
 
     from relserve.models.checkpoint import load_checkpoint
 
     cfg = DebertaV2Config(
         vocab_size=vocab,
-        hidden_size=768,
+        hidden_size=hidden,
         num_hidden_layers=layers,
-        num_attention_heads=12,
-        intermediate_size=3072,
+        num_attention_heads=heads,
+        intermediate_size=intermediate,
         hidden_act="gelu",
         max_position_embeddings=512,
         type_vocab_size=0,
         relative_attention=True,
-        position_buckets=256,
+        position_buckets=buckets,
         max_relative_positions=-1,
         pos_att_type=["p2c", "c2p"],
         share_att_key=True,
@@ -48,6 +54,9 @@ def build_models(layers: int, vocab: int):
     )
     torch.manual_seed(0)
     hf = DebertaV2ForSequenceClassification(cfg).eval()
+    if out_dir is not None:
+        hf.save_pretrained(out_dir)
+        return hf, load_checkpoint(out_dir, load_tokenizer=False).model
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
         ours = load_checkpoint(d, load_tokenizer=False).model

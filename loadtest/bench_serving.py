@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli import LoadSpec, run_load
+from .promscrape import scrape
 from .serverproc import ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,15 +50,22 @@ def resolve_classifier(path: str | None, tmp: Path) -> tuple[Path, str]:
 
 
 def serve_and_load(model_dir: Path, options: str, scenario: str, args: argparse.Namespace,
-                   concurrency: int | None = None) -> dict[str, Any]:
+                   concurrency: int | None = None, data: list[dict[str, str]] | None = None,
+                   start_timeout: float = 120.0) -> dict[str, Any]:
+    """Serve ``model_dir`` as ``sentiment`` with ``options`` (``key=value,...``) in a child process and run
+    the closed loop on it; ``data`` (``{"text": ...}`` rows) replaces the scenario's committed texts. Returns
+    the client and server-side numbers of the run window, and the dtype the server serves
+    (``relserve_model_info``)."""
     spec_model = f"sentiment={model_dir}" + (f",{options}" if options else "")
     env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else None
-    with ServerProcess(["--model", spec_model, "--drain-timeout", "5"], env=env) as srv:
+    with ServerProcess(["--model", spec_model, "--drain-timeout", "5"], env=env,
+                       start_timeout=start_timeout) as srv:
         spec = LoadSpec(target=srv.target, scenario=scenario, concurrency=concurrency or args.concurrency,
                         duration=args.duration,
                         requests=args.max_requests, metrics_url=srv.metrics_url, warmup=args.warmup,
-                        progress=False, seed=args.seed)
+                        progress=False, seed=args.seed, data=data)
         res = asyncio.run(run_load(spec))
+        dtypes = sorted(scrape(srv.metrics_url).label_values("relserve_model_info", "dtype")) if srv.metrics_url else []
     s = res.summary
     m = (res.server or {}).get("models", {}).get("sentiment", {})
     out = {
@@ -67,6 +75,9 @@ def serve_and_load(model_dir: Path, options: str, scenario: str, args: argparse.
         "mean_inference_ms_per_batch": m.get("mean_inference_ms_per_batch"),
         "real_tokens": m.get("real_tokens"), "padding_tokens": m.get("padding_tokens"),
         "padding_efficiency": m.get("padding_efficiency"), "padding_ratio": m.get("padding_ratio"),
+        "batch_padding_efficiency": m.get("batch_padding_efficiency"),
+        "mean_tokenization_ms": m.get("mean_tokenization_ms"), "mean_request_ms": m.get("mean_request_ms"),
+        "dtype": dtypes[0] if len(dtypes) == 1 else ",".join(dtypes) or None,
     }
     lat = s["latency_ms"]
     print(f"  [{scenario}, {options or 'defaults'}, {concurrency or args.concurrency} clients] "
@@ -76,12 +87,15 @@ def serve_and_load(model_dir: Path, options: str, scenario: str, args: argparse.
     return out
 
 
-def offline_throughput(model_dir: Path, texts: list[str], batch: int, seconds: float) -> dict[str, Any]:
-    """Tokenize + run batches of ``batch`` texts in order, repeating the texts for about ``seconds``."""
+def offline_throughput(model_dir: Path, texts: list[str], batch: int, seconds: float,
+                       **model_keys: Any) -> dict[str, Any]:
+    """Tokenize + run batches of ``batch`` texts in order, repeating the texts for about ``seconds``;
+    ``model_keys`` are further ModelConfig keys (``dtype``, ``torch_unpadded``, ``torch_intra_op_threads``)."""
     from relserve.service.backends.torch_encoder import TorchBackend
     from relserve.service.config import ModelConfig
 
-    be = TorchBackend(ModelConfig(name="sentiment", path=model_dir, device="cpu", max_batch_size=batch))
+    be = TorchBackend(ModelConfig(name="sentiment", path=model_dir, device="cpu", max_batch_size=batch,
+                                  **model_keys))
     meta = be.load()
     be.warmup()
     tok = meta.tokenizer

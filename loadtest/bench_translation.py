@@ -331,7 +331,8 @@ def run_capacity(model_dir: Path, sentences: list[str], args) -> dict:
     return out
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of :func:`main` (also how :mod:`.bench_cpu` gets :func:`run_capacity`'s settings)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, help=f"RNNsearch checkpoint dir (default {DEFAULT_MODEL})")
     ap.add_argument("--data", type=Path, help="JSON lines with 'source' (default: shared dev set, else sample)")
@@ -366,7 +367,11 @@ def main(argv=None) -> int:
     ap.add_argument("--load-duration", type=float, default=30.0, help="--capacity: seconds of arrivals per load")
     ap.add_argument("--load-fractions", type=lambda v: tuple(float(x) for x in v.split(",")), default=(0.5, 0.8),
                     help="--capacity: comma-separated fractions of capacity for the p99 phases")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.max_batch_size is None:
         args.max_batch_size = 64 if args.capacity else 32
 

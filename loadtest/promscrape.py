@@ -3,7 +3,8 @@
 A :class:`Snapshot` is a flat ``{(sample name, sorted labels): value}`` map. :func:`window_summary` turns two
 snapshots (before / after a run) into server-side numbers per model: requests by code, mean queue time,
 mean batch size, mean inference time per batch, real / padding tokens and the padding ratio
-``padding / (real + padding)`` from ``relserve_tokens_total{kind}``, plus process RSS before and after.
+``padding / (real + padding)`` from ``relserve_tokens_total{kind}``, the mean per-call padding efficiency
+(``relserve_batch_padding_efficiency``) and tokenization time per request, plus process RSS before and after.
 """
 
 from __future__ import annotations
@@ -110,6 +111,11 @@ def _model_window(before: Snapshot, after: Snapshot, model: str) -> dict[str, An
         "padding_tokens": int(round(pad)),
         "padding_ratio": _ratio(pad, real + pad),
         "padding_efficiency": _ratio(real, real + pad),
+        # mean over backend calls of real tokens / tokens the attention core sees (dense layers may see fewer)
+        "batch_padding_efficiency": _ratio(d("relserve_batch_padding_efficiency_sum"),
+                                           d("relserve_batch_padding_efficiency_count")),
+        "mean_tokenization_ms": _ms(_ratio(d("relserve_tokenization_duration_seconds_sum"),
+                                           d("relserve_tokenization_duration_seconds_count"))),
     }
     return out
 
