@@ -24,7 +24,9 @@ readiness probe fails at 2 s). Scenarios (one function each, ``SCENARIOS``):
   one and four texts per request: goodput, goodput / capacity (target >= 0.8), the rejection time at the
   server p50 / p99 (``relserve_rejection_duration_seconds``, target p99 < 10 ms) and the cores used; the
   goodput ratio is also given per server CPU-second (capacity and overload run at different moments, and
-  on a shared machine other jobs take different shares of the cores in each).
+  on a shared machine other jobs take different shares of the cores in each). Last, the gRPC call floor: the
+  server and client CPU of a health Check that does nothing, and each overload run's refusals/s times it (a
+  refusal cannot cost less, so that share of the cores is lost to the retry storm whatever the server does).
   ``--quick``: 6 s windows; ``--overload-duration``: the window otherwise (30 s).
 
 Prints, per scenario: the hostile request's status and wall time, the worst and 99th-percentile probe
@@ -267,7 +269,7 @@ def overload(args: argparse.Namespace) -> dict[str, Any]:
     one), and, for comparison, a fixed 50 ms. Clients run in ``--client-processes`` processes
     (``loadtest/retrying.py``); the rejection time is read from the server's
     ``relserve_rejection_duration_seconds`` histogram. Starts two servers (sentiment model only)."""
-    from .retrying import ClientSpec, run_clients
+    from .retrying import ClientSpec, call_floor, run_clients
 
     duration, warmup = (6.0, 1.5) if args.quick else (args.overload_duration, 4.0)
     env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else None
@@ -297,6 +299,17 @@ def overload(args: argparse.Namespace) -> dict[str, Any]:
                 # the same per CPU-second the server got: other jobs on a shared machine move both runs' cores
                 runs[name]["goodput_over_capacity_per_core"] = _per_core(runs[name], runs[f"capacity-{texts}"])
                 _print_overload_run(name, runs[name])
+        # What the refusals cost at the least: a health Check that does nothing, on the same (now idle) server
+        floor = call_floor(srv.target, srv.metrics_url, duration=2.0 if args.quick else 5.0)
+    out["call_floor"] = floor
+    per_call_s = (floor["server_us_per_call"] + floor["client_us_per_call"]) / 1e6
+    print(f"{'grpc call floor':28s} a call that does nothing: server {floor['server_us_per_call']:.0f} us + client "
+          f"{floor['client_us_per_call']:.0f} us CPU ({floor['calls_per_s']:.0f} calls/s from 16 callers)", flush=True)
+    for name, r in runs.items():
+        if name.startswith("overload-"):
+            r["refusal_floor_cores"] = r["rejections_per_s"] * per_call_s
+            print(f"{'':28s} {name}: {r['rejections_per_s']:.0f} refusals/s x floor = "
+                  f"{r['refusal_floor_cores']:.2f} of {multiprocessing.cpu_count()} cores", flush=True)
     return out
 
 

@@ -230,3 +230,51 @@ def server_window(before: promscrape.Snapshot, after: promscrape.Snapshot, model
         },
         "cpu_cores": cpu / duration if after.has("process_cpu_seconds_total") else None,
     }
+
+
+def call_floor(target: str, metrics_url: str, *, clients: int = 16, duration: float = 4.0) -> dict[str, Any]:
+    """The CPU one gRPC round trip costs when it does no work: ``clients`` concurrent callers of
+    ``grpc.health.v1.Health/Check`` on one grpc.aio channel for ``duration`` seconds, in this process.
+
+    Returns calls per second, the server's CPU microseconds per call (``process_cpu_seconds_total`` between two
+    scrapes) and this client process's (``getrusage``). A refusal cannot cost less than a call that does
+    nothing, so refusals/s x (server + client) floor is the share of the cores a retry storm takes whatever
+    the server does with the refused requests.
+
+    Raises:
+        RuntimeError: no call finished inside the window.
+    """
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async def run() -> tuple[int, float, float, float]:
+        import grpc
+
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            request = health_pb2.HealthCheckRequest(service="")
+            await stub.Check(request)
+            calls, end = 0, 0.0
+
+            async def caller() -> None:
+                nonlocal calls
+                while time.monotonic() < end:
+                    await stub.Check(request)
+                    calls += 1
+
+            before = promscrape.scrape(metrics_url)
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
+            t0 = time.monotonic()
+            end = t0 + duration
+            await asyncio.gather(*(caller() for _ in range(clients)))
+            wall = time.monotonic() - t0
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            after = promscrape.scrape(metrics_url)
+        client_s = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+        server_s = after.get("process_cpu_seconds_total") - before.get("process_cpu_seconds_total")
+        return calls, wall, client_s, server_s
+
+    calls, wall, client_s, server_s = asyncio.run(run())
+    if not calls:
+        raise RuntimeError(f"no health Check finished within {duration} s")
+    return {"calls_per_s": calls / wall, "server_us_per_call": server_s / calls * 1e6,
+            "client_us_per_call": client_s / calls * 1e6}
