@@ -253,11 +253,8 @@ def load_graphs(config: ModelConfig, names: Sequence[str], export: Callable[[Pat
             elif cache.is_dir():
                 log.warning("model %r: export cache entry %s is incomplete; exporting again", config.name, cache)
                 shutil.rmtree(cache, ignore_errors=True)
-            if variant is None:
+            if variant is None:  # a variant's build logs what it does (e.g. "quantizing ... to int8")
                 log.info("model %r: no ONNX graphs yet; exporting %s to %s", config.name, path, cache)
-            else:
-                log.info("model %r: no %s graph yet; building it from the float32 graph into %s", config.name,
-                         variant, cache)
             _export_into(cache, export)
             exported_now = True
         try:
