@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from fixtures.data import jsonl, qa_rows
+from fixtures.deberta import assert_qa_window_matches_hf
 from relserve.models.checkpoint import load_checkpoint
 
 DEFAULTS = Path(__file__).resolve().parents[2] / "defaults"
@@ -160,14 +161,7 @@ def test_qa_parity_with_transformers(qa_ours, transformers_mod):
         enc = hf_tok(r["question"], r["context"])
         assert list(w.input_ids) == enc["input_ids"]
         assert list(w.token_type_ids) == enc["token_type_ids"]
-        ids = torch.tensor([w.input_ids])
-        tt = torch.tensor([w.token_type_ids])
-        mask = torch.ones_like(ids)
-        with torch.no_grad():
-            s_ours, e_ours = qa_ours.model(input_ids=ids, attention_mask=mask, token_type_ids=tt)[:2]
-            out = hf(input_ids=ids, attention_mask=mask, token_type_ids=tt)
-        np.testing.assert_allclose(s_ours.numpy(), out.start_logits.numpy(), atol=1e-4, rtol=0)
-        np.testing.assert_allclose(e_ours.numpy(), out.end_logits.numpy(), atol=1e-4, rtol=0)
+        assert_qa_window_matches_hf(qa_ours.model, hf, w)
 
 
 def test_qa_answers_dev(qa_ours):

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from fixtures.data import SHARED_DATA, data_path, read_jsonl
+from fixtures.deberta import assert_qa_window_matches_hf
 from relserve.models.checkpoint import load_checkpoint
 from relserve.models.training import minilm
 from relserve.models.training.classifier import main as classifier_main
@@ -260,13 +261,7 @@ def test_qa_squad_warm_start(tmp_path, pruned_tokenizer, monkeypatch):
     tok = loaded.tokenizer
     for r in read_jsonl(SHARED_DATA / "qa" / "squad1_dev.jsonl", 2):
         w = tok.qa_windows(r["question"], r["context"], max_seq_len=128, doc_stride=16)[0]
-        ids, tt = torch.tensor([w.input_ids]), torch.tensor([w.token_type_ids])
-        mask = torch.ones_like(ids)
-        with torch.no_grad():
-            s_ours, e_ours = loaded.model(input_ids=ids, attention_mask=mask, token_type_ids=tt)[:2]
-            out = hf(input_ids=ids, attention_mask=mask, token_type_ids=tt)
-        np.testing.assert_allclose(s_ours.numpy(), out.start_logits.numpy(), atol=1e-4, rtol=0)
-        np.testing.assert_allclose(e_ours.numpy(), out.end_logits.numpy(), atol=1e-4, rtol=0)
+        assert_qa_window_matches_hf(loaded.model, hf, w)
 
     # --init-checkpoint: a continued run starts from these weights, and refuses another tokenizer
     from relserve.models.deberta import DebertaForQuestionAnswering
