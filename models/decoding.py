@@ -62,7 +62,7 @@ class BeamState:
     max_length: int
     eos_token_id: int
     banned_token_ids: tuple[int, ...]
-    tokens: Tensor  # Long[k,t] generated tokens of live hypotheses (CPU)
+    tokens: list[list[int]]  # k lists of the t token ids generated so far by the live hypotheses
     last_tokens: Tensor  # Long[k] y_{i-1} (bos at the start) (model device)
     scores: Tensor  # Float[k] summed log-probs (model device)
     hidden: Tensor  # Float[k,n] s_{i-1}
@@ -77,7 +77,7 @@ class BeamState:
 
     @property
     def num_live(self) -> int:
-        return 0 if self.done else self.tokens.shape[0]
+        return 0 if self.done else len(self.tokens)
 
     @property
     def source_length(self) -> int:
@@ -120,7 +120,7 @@ def new_beam(
         max_length=options.max_length_for(src_len),
         eos_token_id=eos_token_id,
         banned_token_ids=tuple(banned_token_ids),
-        tokens=torch.zeros(1, 0, dtype=torch.long),
+        tokens=[[]],
         last_tokens=torch.full((1,), bos_token_id, dtype=torch.long, device=device),
         scores=torch.zeros(1, dtype=torch.float32, device=device),
         hidden=encoder.init_state,
@@ -154,17 +154,16 @@ def build_step(beams: list[BeamState], encoder: EncoderState | None = None) -> S
         encoder = EncoderState.cat([b.encoder for b in beams])
     elif encoder.num_sources != len(beams):
         raise ValueError(f"encoder has {encoder.num_sources} rows for {len(beams)} live beams")
-    spans, index, start = [], [], 0
-    for r, b in enumerate(beams):
-        k = b.num_live
+    counts = [b.num_live for b in beams]
+    spans, start = [], 0
+    for k in counts:
         spans.append((start, start + k))
-        index.append(torch.full((k,), r, dtype=torch.long))
         start += k
     device = encoder.annotations.device
     return StepBatch(
         beams=beams,
         encoder=encoder,
-        source_index=torch.cat(index).to(device),
+        source_index=torch.repeat_interleave(torch.arange(len(beams)), torch.tensor(counts)).to(device),
         prev_tokens=torch.cat([b.last_tokens for b in beams]),
         prev_hidden=torch.cat([b.hidden for b in beams]),
         spans=spans,
@@ -189,6 +188,47 @@ def _select_candidates(candidates: Tensor, count: int) -> tuple[list[int], list[
     return keep[order].tolist(), values[order].tolist()
 
 
+def _select_all(candidates: Tensor, spans: list[tuple[int, int]], counts: list[int]) -> list[tuple[list[int], list[float]]]:
+    """:func:`_select_candidates` for every beam at once: ``candidates`` Float[N,V] (beam r owns rows
+    ``spans[r]``), ``counts[r]`` entries wanted from beam r -> per beam (flat indices into its own rows, values).
+
+    One padded top-k over all beams, re-sorted by (value desc, index asc); a beam whose selection boundary
+    falls inside a run of equal values (more entries tie with its last pick than it may take) is redone
+    exactly by :func:`_select_candidates`, so the result is identical to selecting beam by beam."""
+    N, V = candidates.shape
+    R, K = len(spans), max(hi - lo for lo, hi in spans)
+    pad_row = N  # an all -inf row for beams with fewer than K live hypotheses
+    if N == R * K and all(span == (r * K, (r + 1) * K) for r, span in enumerate(spans)):
+        flat = candidates.reshape(R, K * V)  # every beam has K rows, in order: a view, no copy
+    else:
+        rows: list[int] = []
+        for lo, hi in spans:
+            rows.extend(range(lo, hi))
+            rows.extend([pad_row] * (K - (hi - lo)))
+        padded = torch.cat([candidates, candidates.new_full((1, V), float("-inf"))])
+        flat = padded.index_select(0, torch.tensor(rows, dtype=torch.long, device=candidates.device)).reshape(R, K * V)
+    take = min(max(counts) + 1, K * V)  # one beyond the largest count: shows a tie across the boundary
+    values, index = torch.topk(flat, take, dim=1)
+    index, order = torch.sort(index, dim=1)
+    values = values.gather(1, order)
+    values, order = torch.sort(values, dim=1, descending=True, stable=True)
+    index = index.gather(1, order)
+    values_l, index_l = values.tolist(), index.tolist()
+    out = []
+    for r, count in enumerate(counts):
+        vals, idx = values_l[r], index_l[r]
+        threshold = vals[count - 1]
+        if threshold == float("-inf"):  # fewer finite entries than wanted: all of them, as one by one
+            n = next((i for i, v in enumerate(vals) if v == float("-inf")), len(vals))
+            out.append((idx[:n], vals[:n]))
+        elif count < len(vals) and vals[count] == threshold:
+            lo, hi = spans[r]
+            out.append(_select_candidates(candidates[lo:hi], count))
+        else:
+            out.append((idx[:count], vals[:count]))
+    return out
+
+
 def _finish(beam: BeamState, truncated: list[Hypothesis]) -> None:
     n_best, key = beam.options.n_best, (lambda h: -h.score)
     results = sorted(beam.finished, key=key)[:n_best]  # sorted() is stable: earlier-finished wins ties
@@ -196,7 +236,7 @@ def _finish(beam: BeamState, truncated: list[Hypothesis]) -> None:
         results = sorted(results + sorted(truncated, key=key)[: n_best - len(results)], key=key)
     beam.results = results
     beam.hidden = beam.hidden[:0]
-    beam.tokens = beam.tokens[:0]
+    beam.tokens = []
 
 
 def apply_step(
@@ -205,79 +245,85 @@ def apply_step(
     """Update each beam of ``batch`` from its own rows of the step outputs (``log_probs`` Float[N,V],
     ``new_hidden`` Float[N,n], ``alignment`` Float[N,S_max]); returns the beams that finished in this step
     (their ``results`` are set). Rows of other requests are never read: this is what makes decoding
-    batch invariant."""
+    batch invariant.
+
+    The tensor work is batched over all beams (one banned-token mask, one top-k, one gather of the surviving
+    hidden states); only the choice among each beam's 2k candidates is a Python loop. Results are identical
+    to updating each beam alone (:func:`_select_all`)."""
+    beams, spans = batch.beams, batch.spans
+    if not beams:
+        return []
+    vocab = log_probs.shape[1]
+    scores = torch.cat([b.scores for b in beams]).float()
+    candidates = scores.unsqueeze(1) + log_probs.float()  # Float[N,V]
+    for ids in {b.banned_token_ids for b in beams} - {()}:  # -inf either way: masked after the sum
+        cols = torch.tensor(list(ids), dtype=torch.long, device=candidates.device)
+        hit = [i for b, (lo, hi) in zip(beams, spans) if b.banned_token_ids == ids for i in range(lo, hi)]
+        if len(hit) == candidates.shape[0]:
+            candidates[:, cols] = float("-inf")
+        else:
+            candidates[torch.tensor(hit, device=candidates.device)[:, None], cols] = float("-inf")
+    counts = [min(2 * b.options.beam_size, (hi - lo) * vocab) for b, (lo, hi) in zip(beams, spans)]
+    picks = _select_all(candidates, spans, counts)
+
+    keep_rows: list[int] = []  # rows of the step outputs that stay live, beam after beam
+    keep_tokens: list[int] = []
+    keep_scores: list[float] = []
+    kept: list[int] = []  # live hypotheses kept per beam
     retired = []
-    for beam, (lo, hi) in zip(batch.beams, batch.spans):
-        _update_beam(beam, log_probs[lo:hi], new_hidden[lo:hi], None if alignment is None else alignment[lo:hi])
+    for beam, (lo, hi), (flat_index, values) in zip(beams, spans, picks):
+        opts, eos, k = beam.options, beam.eos_token_id, beam.options.beam_size
+        length = len(beam.tokens[0]) + 1
+        step_alignment = None if alignment is None or beam.alignment is None else alignment[lo:hi, : beam.source_length]
+        live_rows, live_tokens, live_scores = [], [], []
+        for rank, (idx, score) in enumerate(zip(flat_index, values)):
+            row, token = divmod(idx, vocab)
+            if token == eos:
+                if rank < k:
+                    align = None
+                    if step_alignment is not None:
+                        align = torch.cat([beam.alignment[row], step_alignment[row : row + 1]]).cpu()
+                    beam.finished.append(Hypothesis(
+                        tokens=beam.tokens[row] + [eos], log_prob=score,
+                        score=_normalize(score, length, opts.length_penalty),
+                        finished=True, truncated=False, alignment=align))
+            elif len(live_rows) < k:
+                live_rows.append(row)
+                live_tokens.append(token)
+                live_scores.append(score)
+        beam.steps += 1
+        if live_rows:
+            if step_alignment is not None:
+                rows_dev = torch.tensor(live_rows, dtype=torch.long, device=step_alignment.device)
+                beam.alignment = torch.cat(
+                    [beam.alignment.index_select(0, rows_dev), step_alignment.index_select(0, rows_dev)[:, None]], dim=1)
+            beam.tokens = [beam.tokens[row] + [token] for row, token in zip(live_rows, live_tokens)]
+            keep_rows.extend(lo + row for row in live_rows)
+            keep_tokens.extend(live_tokens)
+            keep_scores.extend(live_scores)
+        kept.append(len(live_rows))
+        if len(beam.finished) >= k or not live_rows:
+            _finish(beam, [])
+        elif length >= beam.max_length:
+            truncated = [
+                Hypothesis(tokens=list(beam.tokens[i]), log_prob=s, score=_normalize(s, length, opts.length_penalty),
+                           finished=False, truncated=True,
+                           alignment=None if beam.alignment is None else beam.alignment[i].cpu())
+                for i, s in enumerate(live_scores)
+            ]
+            _finish(beam, truncated)
         if beam.done:
             retired.append(beam)
+
+    if keep_rows:  # one gather for every beam's surviving states, then per-beam views
+        device = batch.prev_tokens.device
+        hidden = new_hidden.index_select(0, torch.tensor(keep_rows, dtype=torch.long, device=new_hidden.device))
+        last = torch.tensor(keep_tokens, dtype=torch.long, device=device)
+        new_scores = torch.tensor(keep_scores, dtype=torch.float32, device=device)
+        for beam, h, y, s in zip(beams, hidden.split(kept), last.split(kept), new_scores.split(kept)):
+            if not beam.done:
+                beam.hidden, beam.last_tokens, beam.scores = h, y, s
     return retired
-
-
-def _update_beam(beam: BeamState, log_probs: Tensor, new_hidden: Tensor, alignment: Tensor | None) -> None:
-    opts, eos, k = beam.options, beam.eos_token_id, beam.options.beam_size
-    log_probs = log_probs.float()
-    if beam.banned_token_ids:
-        log_probs = log_probs.clone()
-        log_probs[:, list(beam.banned_token_ids)] = float("-inf")
-    vocab = log_probs.shape[1]
-    candidates = beam.scores.unsqueeze(1) + log_probs  # Float[k',V]
-    flat_index, values = _select_candidates(candidates, 2 * k)
-    length = beam.tokens.shape[1] + 1
-    src_len = beam.source_length
-    step_alignment = None if alignment is None or beam.alignment is None else alignment[:, :src_len]
-
-    live_rows, live_tokens, live_scores = [], [], []
-    for rank, (idx, score) in enumerate(zip(flat_index, values)):
-        row, token = divmod(idx, vocab)
-        if token == eos:
-            if rank < k:
-                align = None
-                if step_alignment is not None:
-                    align = torch.cat([beam.alignment[row], step_alignment[row : row + 1]]).cpu()
-                beam.finished.append(
-                    Hypothesis(
-                        tokens=beam.tokens[row].tolist() + [eos],
-                        log_prob=score,
-                        score=_normalize(score, length, opts.length_penalty),
-                        finished=True,
-                        truncated=False,
-                        alignment=align,
-                    )
-                )
-        elif len(live_rows) < k:
-            live_rows.append(row)
-            live_tokens.append(token)
-            live_scores.append(score)
-    beam.steps += 1
-
-    if live_rows:
-        rows = torch.tensor(live_rows, dtype=torch.long)
-        rows_dev = rows.to(new_hidden.device)
-        beam.tokens = torch.cat([beam.tokens[rows], torch.tensor(live_tokens, dtype=torch.long)[:, None]], dim=1)
-        beam.last_tokens = torch.tensor(live_tokens, dtype=torch.long, device=beam.last_tokens.device)
-        beam.scores = torch.tensor(live_scores, dtype=torch.float32, device=beam.scores.device)
-        beam.hidden = new_hidden.index_select(0, rows_dev)
-        if step_alignment is not None:
-            beam.alignment = torch.cat(
-                [beam.alignment.index_select(0, rows_dev), step_alignment.index_select(0, rows_dev)[:, None]], dim=1
-            )
-
-    if len(beam.finished) >= k or not live_rows:
-        _finish(beam, [])
-    elif length >= beam.max_length:
-        truncated = [
-            Hypothesis(
-                tokens=beam.tokens[i].tolist(),
-                log_prob=s,
-                score=_normalize(s, length, opts.length_penalty),
-                finished=False,
-                truncated=True,
-                alignment=None if beam.alignment is None else beam.alignment[i].cpu(),
-            )
-            for i, s in enumerate(live_scores)
-        ]
-        _finish(beam, truncated)
 
 
 def step(model: RNNSearch, beams: list[BeamState], encoder: EncoderState | None = None) -> list[BeamState]:

@@ -159,7 +159,7 @@ def _update(beam: BeamState) -> SeqUpdate:
         best = results[0] if results else None
         return SeqUpdate(live=0, best_tokens=best.output_tokens if best else [],
                          best_score=best.log_prob if best else 0.0, results=results)
-    return SeqUpdate(live=beam.num_live, best_tokens=beam.tokens[0].tolist(), best_score=float(beam.scores[0]))
+    return SeqUpdate(live=beam.num_live, best_tokens=list(beam.tokens[0]), best_score=float(beam.scores[0]))
 
 
 def _plain(h: Hypothesis) -> Hypothesis:

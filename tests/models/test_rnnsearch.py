@@ -367,6 +367,43 @@ def test_scripted_beam_no_growth_after_eos_and_truncation_fill():
     assert norm == sorted(norm, reverse=True)
 
 
+def _oracle_pick(rows: list[list[float]], count: int) -> tuple[list[int], list[float]]:
+    """The selection rule in plain Python: the ``count`` best finite candidates of one beam (flat index =
+    hypothesis * V + token), best first, ties by the lower flat index."""
+    flat = [(v, i) for i, v in enumerate(x for row in rows for x in row) if math.isfinite(v)]
+    best = sorted(flat, key=lambda t: (-t[0], t[1]))[:count]
+    return [i for _, i in best], [v for v, _ in best]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batched_candidate_selection_equals_one_beam_at_a_time(seed):
+    """apply_step selects every beam's 2k candidates with one padded top-k; coarse values make ties (also
+    across the boundary of what a beam may take) and -inf entries (banned tokens, beams with fewer finite
+    candidates than wanted) common. Each beam's pick must equal the plain-Python rule on its own rows."""
+    from relserve.models.decoding import _select_all
+
+    g = torch.Generator().manual_seed(seed)
+    V = 7
+    live = [1, 5, 3, 5, 2, 5, 1]
+    spans, start = [], 0
+    for k in live:
+        spans.append((start, start + k))
+        start += k
+    cand = torch.randint(-4, 1, (start, V), generator=g).float() / 2  # few distinct values: many ties
+    cand[torch.rand(start, V, generator=g) < 0.3] = float("-inf")
+    cand[0, :] = float("-inf")
+    cand[0, 3] = -1.0  # a beam with a single finite candidate
+    counts = [min(2 * b, k * V) for b, k in zip([3, 5, 4, 1, 5, 2, 6], live)]
+    got = _select_all(cand, spans, counts)
+    for (lo, hi), count, (idx, vals) in zip(spans, counts, got):
+        assert (idx, vals) == _oracle_pick(cand[lo:hi].tolist(), count)
+    # the view fast path (every beam with the same number of rows, in order) gives the same
+    uniform = [(5 * r, 5 * r + 5) for r in range(3)]
+    cand5 = torch.randint(-3, 1, (15, V), generator=g).float()
+    for (lo, hi), (idx, vals) in zip(uniform, _select_all(cand5, uniform, [10, 4, 35])):
+        assert (idx, vals) == _oracle_pick(cand5[lo:hi].tolist(), min(10 if lo == 0 else 4 if lo == 5 else 35, 35))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Config and the decoder as a head over another encoder
 # ---------------------------------------------------------------------------------------------------------
