@@ -31,11 +31,14 @@ path's time.
 Server vs offline ideal: ``relserve serve`` in a child process (:class:`.serverproc.ServerProcess`) with the
 new defaults (``dtype: auto``, unpadded, cost-model batches), 32 closed-loop clients on the sentence workload;
 the offline ideal is the same backend (``TorchBackend``, the dtype the server reports, unpadded) on sorted batches
-of ``--batch``, tokenization included, no gRPC; today's behaviour is the same server with ``dtype: float32,
-cost_batching: false, torch_unpadded: false``. Padding efficiency: the server's
+of ``--batch``, tokenization included, no gRPC; today's behaviour (the issue's "fp32, padded, one batch") is the
+same server with ``dtype: float32, cost_batching: false, torch_unpadded: false, max_batch_time_ms: 0`` (without
+the last key, issue 10's 20 ms cap would still cut each formed batch into pieces). Padding efficiency: the server's
 ``relserve_batch_padding_efficiency`` (mean per backend call over the run) and the offline batches' real /
 padded tokens. Tokenization time per request (``relserve_tokenization_duration_seconds``, which holds the GIL
-for most of it) is printed next to the mean request time.
+for most of it) is printed next to the mean request time, and, where py-spy is installed, the GIL hold per
+request measured by sampling the server (:mod:`.gil`: ``py-spy record --gil``), by thread role (event loop,
+tokenizer, model executor) with ``--gil`` (a separate run: the sampling slows the server).
 
 Translation: :func:`.bench_translation.run_capacity` on the default de-en model and the committed Tatoeba
 sentences, saturation throughput of iteration- vs request-level scheduling (no p99 phases here).
@@ -330,9 +333,10 @@ def bench_server(checkpoint: Path, tok, texts: list[str], args: argparse.Namespa
     out: dict[str, Any] = {}
     log(f"server ({args.clients} closed-loop clients, {args.server_duration:g} s after {args.server_warmup} "
         f"warm-up requests):")
-    out["new"] = serve_and_load(checkpoint, base, "classify", ns, data=data, start_timeout=900)
-    out["today"] = serve_and_load(checkpoint, base + ",dtype=float32,cost_batching=false,torch_unpadded=false",
-                                  "classify", ns, data=data, start_timeout=900)
+    out["new"] = serve_and_load(checkpoint, base, "classify", ns, data=data, start_timeout=900, gil=args.gil)
+    out["today"] = serve_and_load(checkpoint, base + ",dtype=float32,cost_batching=false,torch_unpadded=false,"
+                                  "max_batch_time_ms=0",
+                                  "classify", ns, data=data, start_timeout=900, gil=args.gil)
     if out["new"]["dtype"] != "float32":
         out["new_fp32"] = serve_and_load(checkpoint, base + ",dtype=float32", "classify", ns, data=data,
                                          start_timeout=900)
@@ -358,11 +362,25 @@ def bench_server(checkpoint: Path, tok, texts: list[str], args: argparse.Namespa
                if tok_ms is not None and req_ms else "tokenization time n/a")
         log(f"  => {key}: {s['throughput_rps']:.1f} sentences/s, dtype {s['dtype']}, server padding efficiency "
             f"{_f(s.get('batch_padding_efficiency'))} per call (tokens: {_f(s.get('padding_efficiency'))}); {gil}")
+        if args.gil:
+            log(f"     GIL: {gil_line(s.get('gil'))}")
     log(f"  => offline ideal {ideal['throughput_tps']:.1f} sentences/s, padding efficiency {real / padded:.3f}")
     log(f"  => new defaults / today {out['ratios']['new_over_today']:.2f}x; fp32 new / today "
         f"{out['ratios']['fp32_new_over_today']:.2f}x; server / offline ideal "
         f"{out['ratios']['server_over_offline_ideal']:.2f}")
     return out
+
+
+def gil_line(report: dict[str, Any] | None) -> str:
+    """One line of :mod:`.gil`'s report: held per request and share of the wall, by thread role."""
+    if not report:
+        return "n/a"
+    if "held_s" not in report:
+        return "n/a (" + "; ".join(report.get("error") or ["no samples"]) + ")"
+    per = report.get("ms_per_request", float("nan"))
+    roles = ", ".join(f"{role} {per * s / max(report['held_s'], 1e-9):.2f}" for role, s in report["by_role"].items())
+    return (f"held {report['held_fraction']:.2f} of the wall, {per:.2f} ms per request ({roles} ms; "
+            f"py-spy --gil, {report['samples']} samples)")
 
 
 def bench_translation(args: argparse.Namespace) -> dict[str, Any]:
@@ -436,6 +454,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sat-warmup", type=float, default=None, 
                     help="translation: seconds before counting (3; quick 1.5)")
     ap.add_argument("--sat-repeats", type=int, default=None, help="translation: slices per scheduling (2; quick 1)")
+    ap.add_argument("--gil", action="store_true",
+                    help="sample the servers' GIL holder with py-spy (loadtest/gil.py); the sampling itself costs the "
+                         "server throughput on a small machine, so the throughput ratios of such a run are not the "
+                         "reference ones")
     ap.add_argument("--json", metavar="FILE", help="also write every number here")
     return ap
 

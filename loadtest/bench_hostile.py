@@ -305,12 +305,30 @@ def overload(args: argparse.Namespace) -> dict[str, Any]:
     per_call_s = (floor["server_us_per_call"] + floor["client_us_per_call"]) / 1e6
     print(f"{'grpc call floor':28s} a call that does nothing: server {floor['server_us_per_call']:.0f} us + client "
           f"{floor['client_us_per_call']:.0f} us CPU ({floor['calls_per_s']:.0f} calls/s from 16 callers)", flush=True)
+    cores = multiprocessing.cpu_count()
     for name, r in runs.items():
         if name.startswith("overload-"):
             r["refusal_floor_cores"] = r["rejections_per_s"] * per_call_s
+            r["goodput_ceiling"] = goodput_ceiling(runs[f"capacity-{r['texts_per_request']}"], r["refusal_floor_cores"],
+                                                   cores)
+            ceiling = "n/a" if r["goodput_ceiling"] is None else f"{r['goodput_ceiling']:.2f}"
             print(f"{'':28s} {name}: {r['rejections_per_s']:.0f} refusals/s x floor = "
-                  f"{r['refusal_floor_cores']:.2f} of {multiprocessing.cpu_count()} cores", flush=True)
+                  f"{r['refusal_floor_cores']:.2f} of {cores} cores; goodput / capacity can be at most {ceiling} "
+                  f"(measured {r['goodput_over_capacity']:.2f})", flush=True)
     return out
+
+
+def goodput_ceiling(capacity: dict[str, Any], refusal_floor_cores: float, cores: int) -> float | None:
+    """The most goodput / capacity an overload run can reach when its refusals cost the call floor: the cores
+    left after the refusals, over the cores (server + clients) the capacity run used for its successes.
+
+    An upper bound: it assumes a success costs no more under the storm than at capacity. Capped at 1 (a
+    capacity run that did not fill the cores). None without the server's CPU figure."""
+    server_cores = capacity.get("server", {}).get("cpu_cores")
+    if not server_cores:
+        return None
+    used = server_cores + capacity["client_cpu_s"] / capacity["client_window_s"]
+    return min(1.0, max(0.0, cores - refusal_floor_cores) / used)
 
 
 def _per_core(run: dict[str, Any], capacity: dict[str, Any]) -> float | None:
@@ -341,7 +359,7 @@ def _print_overload_run(name: str, r: dict[str, Any]) -> None:
                  f"{r['rejected']} refusals; {r['mean_attempts_per_ok'] or 0:.2f} attempts per OK")
     if server.get("cpu_cores") is not None:
         line += (f"\n{'':28s} server CPU {server['cpu_cores']:.2f} cores, clients "
-                 f"{r['client_cpu_s'] / r['duration_s']:.2f} cores; mean batch {server['mean_batch_size'] or 0:.1f} "
+                 f"{r['client_cpu_s'] / r['client_window_s']:.2f} cores; mean batch {server['mean_batch_size'] or 0:.1f} "
                  f"units in {_ms_or(server['mean_batch_s'])}")
     if r["other_errors"]:
         line += f"\n{'':28s} other errors {r['other_errors']}"

@@ -51,11 +51,13 @@ def resolve_classifier(path: str | None, tmp: Path) -> tuple[Path, str]:
 
 def serve_and_load(model_dir: Path, options: str, scenario: str, args: argparse.Namespace,
                    concurrency: int | None = None, data: list[dict[str, str]] | None = None,
-                   start_timeout: float = 120.0) -> dict[str, Any]:
+                   start_timeout: float = 120.0, gil: bool = False) -> dict[str, Any]:
     """Serve ``model_dir`` as ``sentiment`` with ``options`` (``key=value,...``) in a child process and run
     the closed loop on it; ``data`` (``{"text": ...}`` rows) replaces the scenario's committed texts. Returns
     the client and server-side numbers of the run window, and the dtype the server serves
-    (``relserve_model_info``)."""
+    (``relserve_model_info``). ``gil``: also sample the server's GIL holder with py-spy for ``args.duration``
+    seconds from the start of the load (:mod:`.gil`; ``"gil"`` in the result: seconds held by thread role and
+    ``ms_per_request``, or the reason it is missing)."""
     spec_model = f"sentiment={model_dir}" + (f",{options}" if options else "")
     env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else None
     with ServerProcess(["--model", spec_model, "--drain-timeout", "5"], env=env,
@@ -64,7 +66,14 @@ def serve_and_load(model_dir: Path, options: str, scenario: str, args: argparse.
                         duration=args.duration,
                         requests=args.max_requests, metrics_url=srv.metrics_url, warmup=args.warmup,
                         progress=False, seed=args.seed, data=data)
+        sampler = None
+        if gil:
+            from . import gil as gil_mod
+
+            sampler = gil_mod.GilSampler(srv.pid, args.duration) if gil_mod.available() else None
         res = asyncio.run(run_load(spec))
+        gil_report = sampler.result() if sampler is not None else (
+            {"error": ["py-spy is not installed (pip install py-spy)"]} if gil else None)
         dtypes = sorted(scrape(srv.metrics_url).label_values("relserve_model_info", "dtype")) if srv.metrics_url else []
     s = res.summary
     m = (res.server or {}).get("models", {}).get("sentiment", {})
@@ -79,6 +88,11 @@ def serve_and_load(model_dir: Path, options: str, scenario: str, args: argparse.
         "mean_tokenization_ms": m.get("mean_tokenization_ms"), "mean_request_ms": m.get("mean_request_ms"),
         "dtype": dtypes[0] if len(dtypes) == 1 else ",".join(dtypes) or None,
     }
+    if gil_report is not None:
+        if "held_s" in gil_report and s["throughput_rps"]:
+            # the window starts with the warm-up requests: same load, so the per-request figure holds
+            gil_report["ms_per_request"] = 1000 * gil_report["held_s"] / (s["throughput_rps"] * gil_report["seconds"])
+        out["gil"] = gil_report
     lat = s["latency_ms"]
     print(f"  [{scenario}, {options or 'defaults'}, {concurrency or args.concurrency} clients] "
           f"{s['throughput_rps']:.1f} req/s, p50 {lat['p50']:.1f} ms, "

@@ -79,6 +79,7 @@ async def _clients(spec: ClientSpec, n: int, offset: int, barrier: Any) -> dict[
     stub = pb_grpc.InferenceStub(channel)
     await asyncio.get_running_loop().run_in_executor(None, barrier.wait)
     t0 = time.monotonic()
+    start = resource.getrusage(resource.RUSAGE_SELF)  # from here: the calls' CPU, not the imports' or connect's
     begin, end = t0 + spec.warmup, t0 + spec.warmup + spec.duration
     out: dict[str, Any] = {"ok": 0, "rejected": 0, "other": {}, "ok_latency_s": [], "reject_latency_s": [],
                            "attempts_per_ok": [], "pushback_s": []}
@@ -126,7 +127,7 @@ async def _clients(spec: ClientSpec, n: int, offset: int, barrier: Any) -> dict[
     finally:
         await channel.close()
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    out["cpu_s"] = usage.ru_utime + usage.ru_stime
+    out["cpu_s"] = (usage.ru_utime + usage.ru_stime) - (start.ru_utime + start.ru_stime)
     return out
 
 
@@ -195,7 +196,8 @@ def run_clients(spec: ClientSpec, *, processes: int = 4, metrics_url: str | None
         "mean_attempts_per_ok": statistics.fmean(attempts) if attempts else None,
         "pushback_s": {"p50": _quantile(pushback, 0.5), "max": max(pushback) if pushback else None,
                        "replies_with_trailer": len(pushback)},
-        "client_cpu_s": sum(p["cpu_s"] for p in parts),
+        "client_cpu_s": sum(p["cpu_s"] for p in parts),  # over client_window_s, all client processes
+        "client_window_s": spec.warmup + spec.duration,
     }
     if before is not None and after is not None:
         out["server"] = server_window(before, after, spec.model, spec.duration)
