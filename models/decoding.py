@@ -249,22 +249,33 @@ def apply_step(
 
     The tensor work is batched over all beams (one banned-token mask, one top-k, one gather of the surviving
     hidden states); only the choice among each beam's 2k candidates is a Python loop. Results are identical
-    to updating each beam alone (:func:`_select_all`)."""
+    to updating each beam alone (:func:`_select_all`). ``batch.spans`` may leave rows of the outputs out (the
+    server drops the beams whose rows are NaN and updates the others from the same outputs)."""
     beams, spans = batch.beams, batch.spans
     if not beams:
         return []
     vocab = log_probs.shape[1]
+    # the beams' rows, packed: a batch may leave rows out (a caller drops the beams whose rows went NaN)
+    packed, start = [], 0
+    for lo, hi in spans:
+        packed.append((start, start + hi - lo))
+        start += hi - lo
+    if packed == spans and start == log_probs.shape[0]:
+        rows_lp = log_probs
+    else:
+        rows = torch.tensor([i for lo, hi in spans for i in range(lo, hi)], dtype=torch.long, device=log_probs.device)
+        rows_lp = log_probs.index_select(0, rows)
     scores = torch.cat([b.scores for b in beams]).float()
-    candidates = scores.unsqueeze(1) + log_probs.float()  # Float[N,V]
+    candidates = scores.unsqueeze(1) + rows_lp.float()  # Float[packed rows,V]
     for ids in {b.banned_token_ids for b in beams} - {()}:  # -inf either way: masked after the sum
         cols = torch.tensor(list(ids), dtype=torch.long, device=candidates.device)
-        hit = [i for b, (lo, hi) in zip(beams, spans) if b.banned_token_ids == ids for i in range(lo, hi)]
+        hit = [i for b, (lo, hi) in zip(beams, packed) if b.banned_token_ids == ids for i in range(lo, hi)]
         if len(hit) == candidates.shape[0]:
             candidates[:, cols] = float("-inf")
         else:
             candidates[torch.tensor(hit, device=candidates.device)[:, None], cols] = float("-inf")
     counts = [min(2 * b.options.beam_size, (hi - lo) * vocab) for b, (lo, hi) in zip(beams, spans)]
-    picks = _select_all(candidates, spans, counts)
+    picks = _select_all(candidates, packed, counts)
 
     keep_rows: list[int] = []  # rows of the step outputs that stay live, beam after beam
     keep_tokens: list[int] = []

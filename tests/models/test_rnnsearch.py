@@ -447,3 +447,43 @@ def test_decoder_head_over_external_encoder_mean_init_is_padding_invariant():
     assert [len(r) for r in results] == [2, 2]
     _assert_same_hyps(results[0], beam_search(model, src[:1, :2], mask[:1, :2],
                                               DecodeOptions(beam_size=2, n_best=2, max_len_cap=6))[0])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The server's stepper: a sequence whose rows go NaN fails alone
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_stepper_fails_only_the_sequence_with_nan_rows_and_the_rest_decode_as_alone():
+    """One source token's embedding is NaN, so every decoder row of the sequence holding it is NaN. The
+    stepper drops that sequence with an error; the others share the same steps and must decode exactly as
+    they do alone (the batch handed to apply_step then leaves the NaN rows out)."""
+    from relserve.models.decode_types import DecodeOptions as Opts
+    from relserve.service.backends.base import StartItem, StepPlan
+    from relserve.service.backends.translation_steps import BeamStepper
+    from relserve.service.errors import Internal
+
+    poison = 9
+    model = tiny_model(seed=5, eos_bias=0.5)
+    with torch.no_grad():
+        model.encoder.embeddings.weight[poison] = float("nan")
+    good = [[4, 5, 6, EOS], [7, 3, EOS], [8, 10, 11, 12, EOS]]
+    sources_ids = [good[0], [3, poison, 4, EOS], good[1], good[2]]
+    opts = [Opts(beam_size=3, n_best=2), Opts(beam_size=2), Opts(beam_size=4, n_best=4), Opts(beam_size=1)]
+    stepper = BeamStepper("nan", model, "cpu")
+    stepper.start([StartItem(i, ids, o) for i, (ids, o) in enumerate(zip(sources_ids, opts))])
+    live, results, failed = [0, 1, 2, 3], {}, {}
+    while live:
+        ups = stepper.step(StepPlan(tuple(live), tuple(stepper.beams[i].num_live for i in live)))
+        for sid, up in zip(list(live), ups):
+            if isinstance(up, Exception):
+                failed[sid] = up
+                live.remove(sid)
+            elif up.results is not None:
+                results[sid] = up.results
+                live.remove(sid)
+    assert list(failed) == [1] and isinstance(failed[1], Internal) and "NaN" in str(failed[1])
+    for sid, ids in zip((0, 2, 3), good):
+        src = torch.tensor([ids])
+        solo = beam_search(model, src, torch.ones_like(src), opts[sid])[0]
+        _assert_same_hyps(results[sid], solo)
