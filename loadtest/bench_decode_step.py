@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,9 +59,8 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least-squares ``y = a + b x`` -> (a, b). Raises ValueError with fewer than two distinct x."""
     if len(set(xs)) < 2:
         raise ValueError("fit_line needs at least two distinct x values")
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return my - b * mx, b
+    b, a = np.polyfit(xs, ys, 1)
+    return float(a), float(b)
 
 
 @torch.inference_mode()

@@ -458,7 +458,6 @@ def test_stepper_fails_only_the_sequence_with_nan_rows_and_the_rest_decode_as_al
     """One source token's embedding is NaN, so every decoder row of the sequence holding it is NaN. The
     stepper drops that sequence with an error; the others share the same steps and must decode exactly as
     they do alone (the batch handed to apply_step then leaves the NaN rows out)."""
-    from relserve.models.decode_types import DecodeOptions as Opts
     from relserve.service.backends.base import StartItem, StepPlan
     from relserve.service.backends.translation_steps import BeamStepper
     from relserve.service.errors import Internal
@@ -469,7 +468,8 @@ def test_stepper_fails_only_the_sequence_with_nan_rows_and_the_rest_decode_as_al
         model.encoder.embeddings.weight[poison] = float("nan")
     good = [[4, 5, 6, EOS], [7, 3, EOS], [8, 10, 11, 12, EOS]]
     sources_ids = [good[0], [3, poison, 4, EOS], good[1], good[2]]
-    opts = [Opts(beam_size=3, n_best=2), Opts(beam_size=2), Opts(beam_size=4, n_best=4), Opts(beam_size=1)]
+    opts = [DecodeOptions(beam_size=3, n_best=2), DecodeOptions(beam_size=2), DecodeOptions(beam_size=4, n_best=4),
+            DecodeOptions(beam_size=1)]
     stepper = BeamStepper("nan", model, "cpu")
     stepper.start([StartItem(i, ids, o) for i, (ids, o) in enumerate(zip(sources_ids, opts))])
     live, results, failed = [0, 1, 2, 3], {}, {}
