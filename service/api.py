@@ -142,9 +142,14 @@ def _rpc(task: str) -> Callable:
                 # grpc cancels the handler both when the client cancels and when the deadline passes.
                 code = (grpc.StatusCode.DEADLINE_EXCEEDED if _expired(context) else grpc.StatusCode.CANCELLED).name
                 raise
+            except CallEnded:
+                # The client left before grpc told the context so (cancelled() may still read False): no status
+                # can reach it, so the call is counted as the client ended it, not as a server fault.
+                code = (grpc.StatusCode.DEADLINE_EXCEEDED if _expired(context) else grpc.StatusCode.CANCELLED).name
+                raise asyncio.CancelledError() from None
             except Exception as exc:
                 if _cancelled_by_client(context):
-                    # A write to a call the client has cancelled fails with grpc's own error (ExecuteBatchError):
+                    # Whatever failed after the client cancelled (grpc's own errors on the ended call among them):
                     # the call ended CANCELLED, it is no server fault.
                     code = grpc.StatusCode.CANCELLED.name
                     raise asyncio.CancelledError() from None
@@ -170,6 +175,25 @@ def _rpc(task: str) -> Callable:
         return wrapper
 
     return decorate
+
+
+class CallEnded(Exception):
+    """A stream message could not be sent because the call is already over (the client cancelled or its
+    connection went); raised by :func:`write_message`, counted CANCELLED by the handler wrapper."""
+
+
+async def write_message(context: grpc.aio.ServicerContext, message: Any) -> None:
+    """Send one message of a server stream.
+
+    Raises:
+        CallEnded: grpc refused the write (``grpc.aio.InternalError``, in practice its ``ExecuteBatchError``):
+            the call has ended on the wire. This can happen before ``context.cancelled()`` turns True, because
+            the write's failure and the cancel notification reach the server separately.
+    """
+    try:
+        await context.write(message)
+    except grpc.aio.InternalError as exc:
+        raise CallEnded(f"the call ended before a stream message could be sent: {exc}") from exc
 
 
 def _cancelled_by_client(context: grpc.aio.ServicerContext) -> bool:
@@ -286,7 +310,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                                                         final=event.final)
             if event.result is not None:
                 _translation_result(msg.result, event.result)
-            await context.write(msg)
+            await write_message(context, msg)
 
 
 def _translation_result(out, item: TranslationItem) -> None:

@@ -87,7 +87,10 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
             changed = self._changed  # taken before reading: a change during the write below wakes us at once
             status = self._status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
             if status != last:
-                await context.write(health_pb2.HealthCheckResponse(status=status))
+                try:
+                    await context.write(health_pb2.HealthCheckResponse(status=status))
+                except grpc.aio.InternalError:
+                    return  # the watcher left between two changes: nothing can reach it any more
                 last = status
             if self._ended:
                 break

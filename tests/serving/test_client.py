@@ -5,12 +5,14 @@ bearer token; and the import stays light (no torch or numpy) in a fresh interpre
 
 from __future__ import annotations
 
+import concurrent.futures
 import subprocess
 import sys
 import time
 
 import grpc
 import pytest
+from grpc._cython.cygrpc import ExecuteBatchError
 from prometheus_client import REGISTRY
 
 from fixtures.fake_serving import runner, server_config
@@ -19,6 +21,7 @@ from fixtures.tls import make_pki
 from fixtures.translation import make_tiny_checkpoint
 from relserve.client import Client, ClientError
 from relserve.service._proto import inference_pb2 as pb
+from relserve.service.api import InferenceServicer
 from relserve.service.backends.base import TASK_QA
 from relserve.service.config import ModelConfig
 from relserve.service.registry import build_runner
@@ -114,10 +117,14 @@ def test_translate_and_stream_equal_the_raw_stub(srv, client):
     assert key(streamed[-1].result) == key(reply.results[1])
 
 
-def _cancelled(model: str) -> float:
+def _count(model: str, code: str) -> float:
     return sum(s.value for f in REGISTRY.collect() for s in f.samples
                if s.name == "relserve_requests_total" and s.labels.get("model") == model
-               and s.labels.get("code") == "CANCELLED")
+               and s.labels.get("code") == code)
+
+
+def _cancelled(model: str) -> float:
+    return _count(model, "CANCELLED")
 
 
 def test_leaving_a_stream_early_cancels_it(srv, client):
@@ -133,6 +140,48 @@ def test_leaving_a_stream_early_cancels_it(srv, client):
         time.sleep(0.02)
     assert not loop.queue_depth and not loop.active_sequences
     assert _cancelled("tr") - before == 1  # the server saw the call cancelled, not finished
+
+
+class _LeftContext:
+    """The moment the early-leave race can leave a stream in: grpc refuses the write (the client has gone)
+    while ``cancelled()`` still reads False, because the cancel notification has not reached the server yet."""
+
+    def __init__(self) -> None:
+        self.aborted = []
+        self.writes = 0
+
+    def cancelled(self) -> bool:
+        return False
+
+    def time_remaining(self):
+        return None
+
+    async def write(self, message) -> None:
+        self.writes += 1
+        raise ExecuteBatchError('Failed "execute_batch"')  # what grpc's server call raises for a gone client
+
+    def set_trailing_metadata(self, metadata) -> None:
+        pass
+
+    async def abort(self, code, details) -> None:
+        self.aborted.append((code, details))
+        raise grpc.aio.AbortError(details)
+
+
+def test_a_write_refused_before_the_cancel_is_seen_counts_cancelled_not_internal(srv):
+    before_cancelled, before_internal = _cancelled("tr"), _count("tr", "INTERNAL")
+    servicer = InferenceServicer(srv.server.registry)  # the server's own handlers, called on its loop
+    context = _LeftContext()
+    request = pb.TranslateStreamRequest(model="tr", text="Der alte Mann ging spazieren.", beam_size=4, max_length=64)
+    with pytest.raises(concurrent.futures.CancelledError):
+        srv.call(servicer.TranslateStream(request, context), timeout=60)
+    assert context.writes == 1 and context.aborted == []  # no status sent to a call that is over
+    assert _cancelled("tr") - before_cancelled == 1 and _count("tr", "INTERNAL") == before_internal
+    loop = srv.server.registry.runners["tr"].loop
+    end = time.monotonic() + 10
+    while (loop.queue_depth or loop.active_sequences) and time.monotonic() < end:
+        time.sleep(0.02)
+    assert not loop.queue_depth and not loop.active_sequences  # the decode it started was cancelled too
 
 
 def _error(call, *args, **kw) -> ClientError:
