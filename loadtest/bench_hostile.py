@@ -28,6 +28,9 @@ readiness probe fails at 2 s). Scenarios (one function each, ``SCENARIOS``):
   server and client CPU of a health Check that does nothing, and each overload run's refusals/s times it (a
   refusal cannot cost less, so that share of the cores is lost to the retry storm whatever the server does).
   ``--quick``: 6 s windows; ``--overload-duration``: the window otherwise (30 s).
+* ``switch-interval`` (opt-in: ``--only switch-interval``) — ``overload`` with one text per request, once per
+  ``--switch-intervals`` value of the server's GIL switch interval, for ``--rounds`` rounds in turn: the
+  medians side by side and their ratios to the first (default: Python's 5000 us, the server's default, against 10 us).
 
 Prints, per scenario: the hostile request's status and wall time, the worst and 99th-percentile probe
 latency, the ratio worst probe / the 50 ms target, the median over ``--repeat`` requests of the worst probe
@@ -40,6 +43,7 @@ machine: read the figures as orders of magnitude.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import multiprocessing
 import platform
@@ -262,13 +266,16 @@ GOODPUT_TARGET = 0.80          # goodput / capacity (issue 10)
 REJECTION_P99_TARGET_S = 0.010  # at the server, arrival to status
 
 
-def overload(args: argparse.Namespace) -> dict[str, Any]:
+def overload(args: argparse.Namespace, server_flags: tuple[str, ...] = (), texts_options: tuple[int, ...] = (1, 4),
+             floor: bool = True) -> dict[str, Any]:
     """Capacity (``CAPACITY_CLIENTS`` closed-loop clients, default queue) against goodput when
     ``OVERLOAD_CLIENTS`` clients retry after each RESOURCE_EXHAUSTED (``max_queue_size`` 8), with one and with
     four texts per request; the retrying clients wait the server's ``grpc-retry-pushback-ms`` (or 50 ms without
     one), and, for comparison, a fixed 50 ms. Clients run in ``--client-processes`` processes
     (``loadtest/retrying.py``); the rejection time is read from the server's
-    ``relserve_rejection_duration_seconds`` histogram. Starts two servers (sentiment model only)."""
+    ``relserve_rejection_duration_seconds`` histogram. Starts two servers (sentiment model only), each with
+    ``server_flags`` added; ``texts_options``: the texts per request to run; ``floor``: also measure the call
+    floor and each run's goodput ceiling."""
     from .retrying import ClientSpec, call_floor, run_clients
 
     duration, warmup = (6.0, 1.5) if args.quick else (args.overload_duration, 4.0)
@@ -282,14 +289,14 @@ def overload(args: argparse.Namespace) -> dict[str, Any]:
 
     out: dict[str, Any] = {"duration_s": duration, "queue_size": OVERLOAD_QUEUE_SIZE, "runs": {}}
     runs = out["runs"]
-    with ServerProcess(["--model", model, "--drain-timeout", "2"], env=env) as srv:
-        for texts in (1, 4):
+    with ServerProcess(["--model", model, "--drain-timeout", "2", *server_flags], env=env) as srv:
+        for texts in texts_options:
             runs[f"capacity-{texts}"] = run_clients(spec(srv.target, CAPACITY_CLIENTS, texts),
                                                      processes=args.client_processes, metrics_url=srv.metrics_url)
             _print_overload_run(f"capacity-{texts}", runs[f"capacity-{texts}"])
-    with ServerProcess(["--model", f"{model},max_queue_size={OVERLOAD_QUEUE_SIZE}", "--drain-timeout", "2"],
-                       env=env) as srv:
-        for texts in (1, 4):
+    with ServerProcess(["--model", f"{model},max_queue_size={OVERLOAD_QUEUE_SIZE}", "--drain-timeout", "2",
+                        *server_flags], env=env) as srv:
+        for texts in texts_options:
             for honour in (True, False):
                 name = f"overload-{texts}-{'pushback' if honour else 'fixed50ms'}"
                 runs[name] = run_clients(spec(srv.target, OVERLOAD_CLIENTS, texts, honour),
@@ -299,6 +306,8 @@ def overload(args: argparse.Namespace) -> dict[str, Any]:
                 # the same per CPU-second the server got: other jobs on a shared machine move both runs' cores
                 runs[name]["goodput_over_capacity_per_core"] = _per_core(runs[name], runs[f"capacity-{texts}"])
                 _print_overload_run(name, runs[name])
+        if not floor:
+            return out
         # What the refusals cost at the least: a health Check that does nothing, on the same (now idle) server
         floor = call_floor(srv.target, srv.metrics_url, duration=2.0 if args.quick else 5.0)
     out["call_floor"] = floor
@@ -316,6 +325,41 @@ def overload(args: argparse.Namespace) -> dict[str, Any]:
                   f"{r['refusal_floor_cores']:.2f} of {cores} cores; goodput / capacity can be at most {ceiling} "
                   f"(measured {r['goodput_over_capacity']:.2f})", flush=True)
     return out
+
+
+def switch_interval(args: argparse.Namespace) -> dict[str, Any]:
+    """The GIL switch interval's effect, side by side: for each of ``--switch-intervals`` (microseconds, the
+    server's ``--gil-switch-interval-us``), in turn for ``--rounds`` rounds, the ``overload`` scenario with one
+    text per request (capacity, then 64 retrying clients with pushback and with a fixed 50 ms). Prints the
+    median over rounds of each figure and its ratio to the first interval's."""
+    intervals = [float(x) for x in args.switch_intervals.split(",")]
+    figures = {us: collections.defaultdict(list) for us in intervals}
+    for round_ in range(args.rounds):
+        for us in intervals:
+            print(f"-- gil_switch_interval_us {us:g}, round {round_ + 1} of {args.rounds}", flush=True)
+            runs = overload(args, ("--gil-switch-interval-us", f"{us:g}"), texts_options=(1,), floor=False)["runs"]
+            for name, r in runs.items():
+                figures[us][f"{name} req/s"].append(r["goodput_rps"])
+                batch = r.get("server", {}).get("mean_batch_s")
+                if batch is not None:
+                    figures[us][f"{name} batch ms"].append(batch * 1000)
+    medians = {us: {k: statistics.median(v) for k, v in f.items()} for us, f in figures.items()}
+    first = medians[intervals[0]]
+    print(f"{'median over rounds':34s}" + "".join(f"{f'{us:g} us':>12s}" for us in intervals)
+          + "".join(f"{f'{us:g}/{intervals[0]:g}':>12s}" for us in intervals[1:]), flush=True)
+    for key in first:
+        row = [medians[us].get(key) for us in intervals]
+        print(f"{key:34s}" + "".join(f"{v:12.1f}" if v is not None else f"{'-':>12s}" for v in row)
+              + "".join(f"{v / row[0]:12.2f}" if v is not None and row[0] else f"{'-':>12s}" for v in row[1:]),
+              flush=True)
+    for us in intervals:
+        m = medians[us]
+        cap, fixed = m.get("capacity-1 req/s"), m.get("overload-1-fixed50ms req/s")
+        if cap:
+            print(f"{f'{us:g} us':34s} fixed-50ms goodput / capacity = {fixed / cap:.2f}, pushback "
+                  f"{m.get('overload-1-pushback req/s', 0) / cap:.2f} (target >= {GOODPUT_TARGET:.2f})", flush=True)
+    return {"intervals_us": intervals, "rounds": args.rounds, "figures": {f"{us:g}": f for us, f in figures.items()},
+            "medians": {f"{us:g}": m for us, m in medians.items()}}
 
 
 def goodput_ceiling(capacity: dict[str, Any], refusal_floor_cores: float, cores: int) -> float | None:
@@ -381,7 +425,9 @@ SCENARIOS: dict[str, Callable[[ServerProcess, argparse.Namespace], dict[str, Any
 # scenarios that start their own server(s) with their own settings
 OWN_SERVER_SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "overload": overload,
+    "switch-interval": switch_interval,
 }
+OPT_IN_SCENARIOS = ("switch-interval",)  # run only when named with --only
 
 
 def _has_translation() -> bool:
@@ -422,9 +468,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE",
                     help="per-model option added to every default model (repeatable), e.g. max_request_chars=8388608")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the server (default 1)")
+    ap.add_argument("--switch-intervals", default="5000,10", metavar="US,US...",
+                    help="switch-interval: the --gil-switch-interval-us values to compare (default 5000,10: "
+                         "Python's own, the server's default, and the value that helps encoders most)")
+    ap.add_argument("--rounds", type=int, default=2, help="switch-interval: rounds over the intervals (default 2)")
     ap.add_argument("--out", default="loadtest-results", help="directory for bench_hostile.json")
     args = ap.parse_args(argv)
-    names = args.only or [*SCENARIOS, *OWN_SERVER_SCENARIOS]
+    names = args.only or [n for n in (*SCENARIOS, *OWN_SERVER_SCENARIOS) if n not in OPT_IN_SCENARIOS]
     report: dict[str, Any] = {"machine": platform.platform(), "size": args.size, "model_options": args.model_option,
                               "max_message_bytes": args.max_message_bytes, "scenarios": {}}
     env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else None

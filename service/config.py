@@ -28,6 +28,10 @@ Example file::
                                           #   intra-op threads (unless *_intra_op_threads is set), so a
                                           #   saturated model cannot slow a light one; fair: one model's
                                           #   backend call at a time, models in turn; shared: no coordination
+    gil_switch_interval_us: null          # sys.setswitchinterval while serving, microseconds; null: Python's
+                                          #   5000. 10 helps encoder-only servers (a torch thread takes the
+                                          #   GIL back after each op) but slows translation's decode loop
+                                          #   (service/server.py has the measurements)
     # Transport security and auth: all off by default. File paths are relative to this file.
     tls_cert: null                        # PEM certificate chain; with tls_key: TLS on the gRPC port
     tls_key: null                         # PEM private key, unencrypted
@@ -157,6 +161,11 @@ OPTIONAL_DEFAULT_MODELS: tuple[tuple[str, str], ...] = (
     ("translate-de-en", "translate-de-en"), ("translate-de-en-deberta", "translate-de-en-deberta"),
 )
 SCHEDULING = ("iteration", "request")
+# The GIL switch interval while serving (server key gil_switch_interval_us), microseconds; None keeps
+# Python's own 5000. A backend thread that releases the GIL around each torch op waits up to this long to
+# take it back from the event loop, once per op; but Python-heavy threads (the translation decode loop)
+# lose to frequent switches: service/server.py apply_switch_interval has the measurements of both.
+MAX_SWITCH_INTERVAL_US = 1_000_000.0
 COMPUTE_SCHEDULING = ("partition", "fair", "shared")  # server key compute_scheduling (service/compute.py)
 MAX_BATCH_TIME_MS = 60_000.0
 MAX_BEAM_SIZE = 16
@@ -291,6 +300,8 @@ class ServerConfig:
     drain_timeout: float = 30.0
     log_level: str = "INFO"
     compute_scheduling: str = "partition"  # COMPUTE_SCHEDULING: how models share the cores (service/compute.py)
+    # sys.setswitchinterval while serving (service/server.py apply_switch_interval); None: Python's 5000 us
+    gil_switch_interval_us: float | None = None
     # Connection management, seconds (grpc channel arguments: service/server.py connection_options)
     max_connection_age: float | None = 300.0  # GOAWAY after this age (None or 0: off) so clients rebalance
     max_connection_age_grace: float = 30.0    # in-flight calls' time after that GOAWAY before the close
@@ -338,6 +349,7 @@ _MODEL_TYPES: dict[str, type] = {
 _SERVER_TYPES: dict[str, type] = {
     "host": str, "port": int, "metrics_port": int, "max_receive_message_length": int,
     "max_send_message_length": int, "drain_timeout": float, "log_level": str, "compute_scheduling": str,
+    "gil_switch_interval_us": float,
     "tls_cert": str, "tls_key": str, "tls_client_ca": str, "auth_token_file": str, "auth_health": bool,
     "reflection": bool, "metrics_host": str, "health_port": int, "health_host": str,
     "max_connection_age": float, "max_connection_age_grace": float, "keepalive_time": float,
@@ -347,7 +359,7 @@ _SERVER_TYPES: dict[str, type] = {
 # Server keys naming files: relative paths are relative to the config file (flags: to the cwd).
 _SERVER_PATH_KEYS = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")
 _NULLABLE_SERVER_KEYS = (*_SERVER_PATH_KEYS, "metrics_host", "health_port", "health_host", "max_connection_age",
-                         "http_port", "http_host")
+                         "http_port", "http_host", "gil_switch_interval_us")
 
 
 DEFAULT_DOC_STRIDE = 128  # tokens: the QA overlap when doc_stride is unset (transformers' pipeline default)
@@ -758,6 +770,10 @@ def validate_server(cfg: ServerConfig) -> ServerConfig:
         raise ConfigError(f"log_level {cfg.log_level!r} is not a logging level name")
     if cfg.compute_scheduling not in COMPUTE_SCHEDULING:
         raise ConfigError(f"compute_scheduling {cfg.compute_scheduling!r} is not one of {list(COMPUTE_SCHEDULING)}")
+    interval = cfg.gil_switch_interval_us
+    if interval is not None and not 1.0 <= interval <= MAX_SWITCH_INTERVAL_US:  # also refuses NaN
+        raise ConfigError(f"gil_switch_interval_us must be between 1 and {MAX_SWITCH_INTERVAL_US:.0f} "
+                          f"microseconds (or null: Python's 5000), got {interval}")
     validate_security(cfg)
     validate_connections(cfg)
     names = [m.name for m in cfg.models]

@@ -27,3 +27,34 @@ def test_goodput_ceiling_is_the_cores_left_after_the_refusals():
     assert goodput_ceiling(capacity, refusal_floor_cores=0.0, cores=4) == 1.0  # capped: cores were not the limit
     assert goodput_ceiling(capacity, refusal_floor_cores=3.0, cores=2) == 0.0
     assert goodput_ceiling({"client_cpu_s": 1.0, "client_window_s": 1.0}, 0.5, 2) is None
+
+
+def test_switch_interval_compares_medians_over_rounds_side_by_side(monkeypatch, capsys):
+    import argparse
+
+    from relserve.loadtest import bench_hostile
+
+    calls = []
+
+    def fake_overload(args, server_flags=(), texts_options=(1, 4), floor=True):
+        us = float(server_flags[server_flags.index("--gil-switch-interval-us") + 1])
+        calls.append((us, texts_options, floor))
+        n = sum(1 for c in calls if c[0] == us)  # the round: figures move between rounds, medians do not
+        fast = us < 100
+        return {"runs": {
+            "capacity-1": {"goodput_rps": (60.0 if fast else 40.0) + n, "server": {"mean_batch_s": 0.07}},
+            "overload-1-pushback": {"goodput_rps": 50.0 if fast else 40.0, "server": {}},
+            "overload-1-fixed50ms": {"goodput_rps": (36.0 if fast else 10.0) - n, "server": {"mean_batch_s": 0.3}},
+        }}
+
+    monkeypatch.setattr(bench_hostile, "overload", fake_overload)
+    args = argparse.Namespace(switch_intervals="5000,10", rounds=3)
+    out = bench_hostile.switch_interval(args)
+    assert [c[0] for c in calls] == [5000.0, 10.0] * 3  # in turn, round by round
+    assert all(c[1] == (1,) and c[2] is False for c in calls)
+    assert out["medians"]["5000"]["capacity-1 req/s"] == 42.0  # 41, 42, 43
+    assert out["medians"]["10"]["overload-1-fixed50ms req/s"] == 34.0  # 35, 34, 33
+    printed = capsys.readouterr().out
+    row = next(line for line in printed.splitlines() if line.startswith("overload-1-fixed50ms req/s"))
+    assert row.split()[-3:] == ["8.0", "34.0", "4.25"]  # 5000 us, 10 us, ratio 10/5000
+    assert "10 us                              fixed-50ms goodput / capacity = 0.55" in printed  # 34 / 62

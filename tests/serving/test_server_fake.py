@@ -242,6 +242,24 @@ def test_health_not_serving_until_warm():
         s.close()
 
 
+def test_the_server_sets_the_gil_switch_interval_while_it_serves_and_restores_it():
+    before = sys.getswitchinterval()
+    s = Running(server_config(metrics_port=None, gil_switch_interval_us=250), [runner("sentiment")])
+    try:
+        s.wait_serving()
+        assert sys.getswitchinterval() == pytest.approx(250e-6)
+        reply = s.stub.Classify(pb.ClassifyRequest(model="sentiment", texts=["good"]), timeout=10)
+        assert reply.results[0].labels[0].label == "positive"
+    finally:
+        s.close()
+    assert sys.getswitchinterval() == before
+    s = Running(server_config(metrics_port=None, gil_switch_interval_us=None), [runner("sentiment")])
+    try:
+        assert sys.getswitchinterval() == before  # null: the interpreter's own
+    finally:
+        s.close()
+
+
 def test_reflection_lists_services(srv):
     stub = reflection_pb2_grpc.ServerReflectionStub(srv.channel)
     responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),

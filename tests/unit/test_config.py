@@ -426,6 +426,19 @@ def test_compute_scheduling_flag(tmp_path):
         build_parser().parse_args(["serve", "--compute-scheduling", "sometimes"])
 
 
+def test_gil_switch_interval_key_flag_and_limits(tmp_path):
+    from relserve.service.main import build_parser, config_from_args
+
+    assert load_config(model_specs=[f"a={tmp_path}"]).gil_switch_interval_us is None  # Python's own
+    (tmp_path / "c.yaml").write_text(f"gil_switch_interval_us: 10\nmodels: [{{name: a, path: {tmp_path}}}]\n")
+    assert load_config(tmp_path / "c.yaml").gil_switch_interval_us == 10.0
+    args = build_parser().parse_args(["serve", "--model", f"a={tmp_path}", "--gil-switch-interval-us", "250"])
+    assert config_from_args(args).gil_switch_interval_us == 250.0
+    for bad in (0, 0.5, 2e6, float("nan")):
+        with pytest.raises(ConfigError, match="gil_switch_interval_us must be between 1 and 1000000"):
+            load_config(overrides={"gil_switch_interval_us": bad}, model_specs=[f"a={tmp_path}"])
+
+
 def test_http_api_keys(tmp_path):
     cfg_file = tmp_path / "relserve.yaml"
     cfg_file.write_text(f"http_port: 8080\nhttp_host: 127.0.0.1\nmodels: [{{name: a, path: {tmp_path}}}]\n")
