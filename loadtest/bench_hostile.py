@@ -332,7 +332,7 @@ def switch_interval(args: argparse.Namespace) -> dict[str, Any]:
     server's ``--gil-switch-interval-us``), in turn for ``--rounds`` rounds, the ``overload`` scenario with one
     text per request (capacity, then 64 retrying clients with pushback and with a fixed 50 ms). Prints the
     median over rounds of each figure and its ratio to the first interval's."""
-    intervals = [float(x) for x in args.switch_intervals.split(",")]
+    intervals = args.switch_intervals
     figures = {us: collections.defaultdict(list) for us in intervals}
     for round_ in range(args.rounds):
         for us in intervals:
@@ -360,6 +360,26 @@ def switch_interval(args: argparse.Namespace) -> dict[str, Any]:
                   f"{m.get('overload-1-pushback req/s', 0) / cap:.2f} (target >= {GOODPUT_TARGET:.2f})", flush=True)
     return {"intervals_us": intervals, "rounds": args.rounds, "figures": {f"{us:g}": f for us, f in figures.items()},
             "medians": {f"{us:g}": m for us, m in medians.items()}}
+
+
+def _intervals(text: str) -> list[float]:
+    """``--switch-intervals``: comma-separated microseconds, each within the server's limits."""
+    from relserve.service.config import MAX_SWITCH_INTERVAL_US
+
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated numbers: {text!r}") from None
+    if not values or not all(1.0 <= v <= MAX_SWITCH_INTERVAL_US for v in values):
+        raise argparse.ArgumentTypeError(f"each interval must be between 1 and {MAX_SWITCH_INTERVAL_US:.0f} us")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def goodput_ceiling(capacity: dict[str, Any], refusal_floor_cores: float, cores: int) -> float | None:
@@ -468,10 +488,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE",
                     help="per-model option added to every default model (repeatable), e.g. max_request_chars=8388608")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the server (default 1)")
-    ap.add_argument("--switch-intervals", default="5000,10", metavar="US,US...",
+    ap.add_argument("--switch-intervals", default="5000,10", metavar="US,US...", type=_intervals,
                     help="switch-interval: the --gil-switch-interval-us values to compare (default 5000,10: "
                          "Python's own, the server's default, and the value that helps encoders most)")
-    ap.add_argument("--rounds", type=int, default=2, help="switch-interval: rounds over the intervals (default 2)")
+    ap.add_argument("--rounds", type=_positive_int, default=2,
+                    help="switch-interval: rounds over the intervals (default 2)")
     ap.add_argument("--out", default="loadtest-results", help="directory for bench_hostile.json")
     args = ap.parse_args(argv)
     names = args.only or [n for n in (*SCENARIOS, *OWN_SERVER_SCENARIOS) if n not in OPT_IN_SCENARIOS]

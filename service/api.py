@@ -131,12 +131,8 @@ def _rpc(task: str) -> Callable:
                     raise InvalidArgument(f"the request is not a valid {request.type_name} message "
                                           f"({request.size} bytes): {request.error}")
                 reply = await handler(self, request, context, scope)
-                if reply is not None and reply.ByteSize() > self.max_send_message_length:
-                    raise ResourceExhausted(
-                        f"the reply is {reply.ByteSize()} bytes, over the server's max_send_message_length of "
-                        f"{self.max_send_message_length} bytes; send fewer texts, ask for fewer hypotheses or "
-                        f"alignments, or raise the limit in the server config"
-                    )
+                if reply is not None:
+                    check_message_size(reply, self.max_send_message_length, "reply")
                 return reply
             except asyncio.CancelledError:
                 # grpc cancels the handler both when the client cancels and when the deadline passes.
@@ -177,19 +173,37 @@ def _rpc(task: str) -> Callable:
     return decorate
 
 
+def check_message_size(message: Any, limit: int, what: str) -> None:
+    """Refuse a reply (or one stream message) grpc would refuse to send: otherwise the client sees grpc's own
+    RESOURCE_EXHAUSTED and the server a failed write it cannot tell from a client that left.
+
+    Raises:
+        ResourceExhausted: ``message`` serializes to more than ``limit`` bytes (``max_send_message_length``).
+    """
+    size = message.ByteSize()
+    if size > limit:
+        raise ResourceExhausted(
+            f"the {what} is {size} bytes, over the server's max_send_message_length of {limit} bytes; send fewer "
+            f"or shorter texts, ask for fewer hypotheses or alignments, or raise the limit in the server config"
+        )
+
+
 class CallEnded(Exception):
     """A stream message could not be sent because the call is already over (the client cancelled or its
     connection went); raised by :func:`write_message`, counted CANCELLED by the handler wrapper."""
 
 
-async def write_message(context: grpc.aio.ServicerContext, message: Any) -> None:
-    """Send one message of a server stream.
+async def write_message(context: grpc.aio.ServicerContext, message: Any, limit: int) -> None:
+    """Send one message of a server stream, of at most ``limit`` bytes (``max_send_message_length``).
 
     Raises:
+        ResourceExhausted: the message is over ``limit`` (:func:`check_message_size`), checked first, since
+            grpc's refusal of an oversized write looks like that of a write to an ended call.
         CallEnded: grpc refused the write (``grpc.aio.InternalError``, in practice its ``ExecuteBatchError``):
             the call has ended on the wire. This can happen before ``context.cancelled()`` turns True, because
             the write's failure and the cancel notification reach the server separately.
     """
+    check_message_size(message, limit, "stream message")
     try:
         await context.write(message)
     except grpc.aio.InternalError as exc:
@@ -310,7 +324,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                                                         final=event.final)
             if event.result is not None:
                 _translation_result(msg.result, event.result)
-            await write_message(context, msg)
+            await write_message(context, msg, self.max_send_message_length)
 
 
 def _translation_result(out, item: TranslationItem) -> None:

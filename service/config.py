@@ -428,7 +428,7 @@ def _coerce(where: str, key: str, value: Any, typ: type) -> Any:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
             return int(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: int(.inf)
             raise ConfigError(f"{where}: {key} must be an integer, got {value!r}") from None
     if typ is float:
         # bool is an int subclass: float(True) == 1.0 would turn `max_queue_delay: true` into one second
@@ -436,7 +436,7 @@ def _coerce(where: str, key: str, value: Any, typ: type) -> Any:
             raise ConfigError(f"{where}: {key} must be a number, got {str(value).lower()}")
         try:
             return float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: an integer past float's range
             raise ConfigError(f"{where}: {key} must be a number, got {value!r}") from None
     if not isinstance(value, str):
         raise ConfigError(f"{where}: {key} must be a string, got {value!r}")

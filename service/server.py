@@ -53,9 +53,38 @@ CUTOFF_S = 0.15
 _REFUSED_TASKS = {health.SERVICE_NAME: "health", **dict.fromkeys(reflection.SERVICE_NAMES, "reflection")}
 
 
+class SwitchIntervals:
+    """The GIL switch interval of a process whose servers may overlap (tests run several): the latest started
+    server's value holds while it serves; when a server stops, the interval is what it would be had that
+    server never started (the interpreter's own once every server has stopped)."""
+
+    def __init__(self) -> None:
+        self._held: list[tuple[object, float]] = []  # (server, the interval it replaced), in start order
+
+    def enter(self, owner: object, microseconds: float | None) -> None:
+        """``owner`` starts serving with ``microseconds`` (``None``: leave the interval as it is)."""
+        if microseconds is not None:
+            self._held.append((owner, apply_switch_interval(microseconds)))
+
+    def leave(self, owner: object) -> None:
+        """``owner`` stops: its value is undone (a later server that replaced it now replaces what it had)."""
+        for i, (held, previous) in enumerate(self._held):
+            if held is owner:
+                del self._held[i]
+                if i < len(self._held):  # a later server's value stays; it now stands on ours' predecessor
+                    self._held[i] = (self._held[i][0], previous)
+                else:
+                    sys.setswitchinterval(previous)
+                return
+
+
+SWITCH_INTERVALS = SwitchIntervals()
+
+
 def apply_switch_interval(microseconds: float | None) -> float:
     """Set the interpreter's GIL switch interval (``sys.setswitchinterval``) for the serving process; returns
-    the one it replaces, in seconds. ``None`` leaves it as it is.
+    the one it replaces, in seconds. ``None`` leaves it as it is. Servers go through
+    :data:`SWITCH_INTERVALS`, which undoes it on stop.
 
     Why: torch releases the GIL around each op and takes it back after; when the event loop (or grpc's
     threads) holds it, the backend thread waits until the holder drops it, at the latest after the switch
@@ -109,7 +138,6 @@ class InferenceServer:
         self._stopped = asyncio.Event()
         self._inflight = InflightCalls((f"/{SERVICE_NAME}/", api_v2.INFER_METHOD))  # what a drain waits for
         self._runners_closed = False
-        self._switch_interval_before: float | None = None  # the interpreter's, restored by stop()
         # one per process: how the models' backend calls share the cores (compute_scheduling)
         self.compute = ComputeScheduler(config.compute_scheduling)
 
@@ -197,8 +225,8 @@ class InferenceServer:
             log.info("health-only listener (plaintext, grpc.health.v1 only) on %s:%d",
                      cfg.health_host or cfg.host, self.health_port)
         # once everything is bound: a start that fails leaves the interpreter as it was
-        self._switch_interval_before = apply_switch_interval(cfg.gil_switch_interval_us)
-        log.info("GIL switch interval %.0f us", sys.getswitchinterval() * 1e6)
+        SWITCH_INTERVALS.enter(self, cfg.gil_switch_interval_us)
+        log.info("GIL switch interval %g us", sys.getswitchinterval() * 1e6)
         return self.port
 
     async def load_models(self) -> None:
@@ -284,9 +312,7 @@ class InferenceServer:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
             self._metrics_http = None
-        if self._switch_interval_before is not None:  # a process running servers one after another (tests)
-            sys.setswitchinterval(self._switch_interval_before)
-            self._switch_interval_before = None
+        SWITCH_INTERVALS.leave(self)
         self._stopped.set()
         log.info("stopped")
 

@@ -48,7 +48,7 @@ def test_switch_interval_compares_medians_over_rounds_side_by_side(monkeypatch, 
         }}
 
     monkeypatch.setattr(bench_hostile, "overload", fake_overload)
-    args = argparse.Namespace(switch_intervals="5000,10", rounds=3)
+    args = argparse.Namespace(switch_intervals=[5000.0, 10.0], rounds=3)
     out = bench_hostile.switch_interval(args)
     assert [c[0] for c in calls] == [5000.0, 10.0] * 3  # in turn, round by round
     assert all(c[1] == (1,) and c[2] is False for c in calls)

@@ -184,6 +184,28 @@ def test_a_write_refused_before_the_cancel_is_seen_counts_cancelled_not_internal
     assert not loop.queue_depth and not loop.active_sequences  # the decode it started was cancelled too
 
 
+def test_a_stream_message_over_the_send_limit_is_resource_exhausted_naming_it(tmp_path):
+    checkpoint = make_tiny_checkpoint(tmp_path / "tr", seed=1)
+    small = Running(server_config(metrics_port=None, max_send_message_length=1024), [
+        build_runner(ModelConfig(name="tr-small-limit", path=checkpoint, device="cpu", max_source_tokens=120))])
+    try:
+        small.wait_serving(timeout=60)
+        before = _count("tr-small-limit", "RESOURCE_EXHAUSTED")
+        with Client(f"127.0.0.1:{small.port}", timeout=30) as c:
+            # alignment weights: target x source floats, past 1 KiB in the final message
+            stream = c.translate_stream("tr-small-limit", "Der alte Mann ging gestern Abend mit seinem Hund "
+                                        "im Park spazieren und sah viele Enten.", beam_size=2, max_length=40,
+                                        return_alignment=True)
+            with pytest.raises(ClientError) as err:
+                list(stream)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "stream message is" in err.value.details and "max_send_message_length of 1024 bytes" in err.value.details
+        assert _count("tr-small-limit", "RESOURCE_EXHAUSTED") - before == 1  # the server's refusal, not a cancel
+        assert _count("tr-small-limit", "CANCELLED") == 0
+    finally:
+        small.close()
+
+
 def _error(call, *args, **kw) -> ClientError:
     with pytest.raises(ClientError) as err:
         result = call(*args, **kw)

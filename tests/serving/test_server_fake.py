@@ -260,6 +260,28 @@ def test_the_server_sets_the_gil_switch_interval_while_it_serves_and_restores_it
         s.close()
 
 
+@pytest.mark.parametrize("stop_order", ["first-started-first", "last-started-first"])
+def test_overlapping_servers_leave_the_interval_of_those_still_serving(stop_order):
+    from relserve.service.server import SwitchIntervals
+
+    before = sys.getswitchinterval()
+    intervals, a, b = SwitchIntervals(), object(), object()
+    try:
+        intervals.enter(a, 10)
+        intervals.enter(b, 20)
+        assert sys.getswitchinterval() == pytest.approx(20e-6)
+        first, second = (a, b) if stop_order == "first-started-first" else (b, a)
+        intervals.leave(first)
+        # b's value stays while b serves; once only a is left, a's
+        assert sys.getswitchinterval() == pytest.approx(20e-6 if second is b else 10e-6)
+        intervals.leave(second)
+        assert sys.getswitchinterval() == before
+        intervals.leave(a)  # a second stop changes nothing
+        assert sys.getswitchinterval() == before
+    finally:
+        sys.setswitchinterval(before)
+
+
 def test_reflection_lists_services(srv):
     stub = reflection_pb2_grpc.ServerReflectionStub(srv.channel)
     responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),

@@ -439,6 +439,16 @@ def test_gil_switch_interval_key_flag_and_limits(tmp_path):
             load_config(overrides={"gil_switch_interval_us": bad}, model_specs=[f"a={tmp_path}"])
 
 
+def test_numbers_past_float_or_int_range_are_config_errors_not_tracebacks(tmp_path):
+    huge = "1" * 400  # YAML reads it as an int that float() cannot hold
+    (tmp_path / "f.yaml").write_text(f"drain_timeout: {huge}\nmodels: [{{name: a, path: {tmp_path}}}]\n")
+    with pytest.raises(ConfigError, match="drain_timeout must be a number"):
+        load_config(tmp_path / "f.yaml")
+    (tmp_path / "i.yaml").write_text(f"models: [{{name: a, path: {tmp_path}, max_queue_size: .inf}}]\n")
+    with pytest.raises(ConfigError, match="max_queue_size must be an integer"):
+        load_config(tmp_path / "i.yaml")
+
+
 def test_http_api_keys(tmp_path):
     cfg_file = tmp_path / "relserve.yaml"
     cfg_file.write_text(f"http_port: 8080\nhttp_host: 127.0.0.1\nmodels: [{{name: a, path: {tmp_path}}}]\n")
