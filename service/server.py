@@ -71,7 +71,7 @@ class SwitchIntervals:
         for i, (held, previous) in enumerate(self._held):
             if held is owner:
                 del self._held[i]
-                if i < len(self._held):  # a later server's value stays; it now stands on ours' predecessor
+                if i < len(self._held):  # a later server's value stays; it now stands on our predecessor
                     self._held[i] = (self._held[i][0], previous)
                 else:
                     sys.setswitchinterval(previous)
