@@ -26,7 +26,7 @@ from . import metrics
 from ._proto import inference_pb2, inference_pb2_grpc
 from .backends.base import TASK_CLASSIFICATION, TASK_QA, TASK_TRANSLATION
 from .errors import InvalidArgument, ResourceExhausted, to_status
-from .pushback import PUSHBACK_TRAILER, pushback_ms
+from .pushback import NO_RETRY_PUSHBACK, PUSHBACK_TRAILER, pushback_ms
 from .registry import ModelRegistry
 from .tasks import classify, qa, translate
 from .tasks.translate import TranslationItem
@@ -160,6 +160,8 @@ def _rpc(task: str) -> Callable:
                 retry_after_s = getattr(exc, "retry_after_s", None)
                 if retry_after_s is not None:  # a full queue: when to retry (gRFC A6; clients' retryPolicy honours it)
                     context.set_trailing_metadata(((PUSHBACK_TRAILER, pushback_ms(retry_after_s)),))
+                elif status == grpc.StatusCode.RESOURCE_EXHAUSTED:  # over a limit: retrying cannot help
+                    context.set_trailing_metadata(((PUSHBACK_TRAILER, NO_RETRY_PUSHBACK),))
                 # Recorded before the status leaves: a client that reads /metrics right after its error must
                 # find it counted (abort sends the status, then the finally would run later).
                 record()

@@ -143,6 +143,7 @@ calls :func:`check_dtype_for_device` once ``device: auto`` is resolved.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,6 +167,10 @@ SCHEDULING = ("iteration", "request")
 # take it back from the event loop, once per op; but Python-heavy threads (the translation decode loop)
 # lose to frequent switches: service/server.py apply_switch_interval has the measurements of both.
 MAX_SWITCH_INTERVAL_US = 1_000_000.0
+MAX_THREADS = 1024          # *_intra_op_threads (torch and ORT take a C int; beyond any machine's cores)
+MAX_LEN_A = 100.0           # max_len_a: output tokens per source token, far past any language pair
+MAX_LEN_B = 1_000_000       # max_len_b: tokens (max_output_tokens caps max_length anyway)
+MAX_MESSAGE_BYTES = 2**31 - 1  # grpc's max_*_message_length channel arguments are C ints
 COMPUTE_SCHEDULING = ("partition", "fair", "shared")  # server key compute_scheduling (service/compute.py)
 MAX_BATCH_TIME_MS = 60_000.0
 MAX_BEAM_SIZE = 16
@@ -523,7 +528,7 @@ def validate_model(m: ModelConfig) -> ModelConfig:
     if not 0 <= m.max_batch_time_ms <= MAX_BATCH_TIME_MS:
         raise ConfigError(f"{where}: max_batch_time_ms must be between 0 (no cap) and {MAX_BATCH_TIME_MS:.0f} "
                           f"milliseconds, got {m.max_batch_time_ms}")
-    if m.max_queue_delay < 0 or m.max_queue_delay > 10:
+    if not 0 <= m.max_queue_delay <= 10:  # also refuses NaN
         raise ConfigError(f"{where}: max_queue_delay must be between 0 and 10 seconds, got {m.max_queue_delay}")
     if m.max_seq_len is not None:
         if m.max_seq_len < 8:
@@ -538,18 +543,18 @@ def validate_model(m: ModelConfig) -> ModelConfig:
     if m.onnx_graph_optimization not in ONNX_GRAPH_OPTIMIZATIONS:
         raise ConfigError(f"{where}: onnx_graph_optimization {m.onnx_graph_optimization!r} is not one of "
                           f"{list(ONNX_GRAPH_OPTIMIZATIONS)}")
-    if m.onnx_intra_op_threads < 0:
-        raise ConfigError(f"{where}: onnx_intra_op_threads must be >= 0 (0: ONNX Runtime's default), got "
-                          f"{m.onnx_intra_op_threads}")
-    if m.torch_intra_op_threads < 0:
-        raise ConfigError(f"{where}: torch_intra_op_threads must be >= 0 (0: torch's default, one per core), got "
-                          f"{m.torch_intra_op_threads}")
+    if not 0 <= m.onnx_intra_op_threads <= MAX_THREADS:
+        raise ConfigError(f"{where}: onnx_intra_op_threads must be between 0 (ONNX Runtime's default) and "
+                          f"{MAX_THREADS}, got {m.onnx_intra_op_threads}")
+    if not 0 <= m.torch_intra_op_threads <= MAX_THREADS:
+        raise ConfigError(f"{where}: torch_intra_op_threads must be between 0 (torch's default, one per core) and "
+                          f"{MAX_THREADS}, got {m.torch_intra_op_threads}")
     if m.spm_normalization not in SPM_NORMALIZATIONS:
         raise ConfigError(f"{where}: spm_normalization {m.spm_normalization!r} is not one of "
                           f"{list(SPM_NORMALIZATIONS)} (spm: the spm.model's own normaliser, as sentencepiece and "
                           f"transformers 4; transformers5: without it, as transformers 5)")
-    if not m.onnx_parity_tolerance > 0:
-        raise ConfigError(f"{where}: onnx_parity_tolerance must be > 0, got {m.onnx_parity_tolerance}")
+    if not 0 < m.onnx_parity_tolerance < math.inf:  # inf would switch the parity gate off
+        raise ConfigError(f"{where}: onnx_parity_tolerance must be > 0 and finite, got {m.onnx_parity_tolerance}")
     if not 0 <= m.onnx_parity_rtol < 1:  # also refuses NaN; rtol >= 1 would accept a graph that outputs 0
         raise ConfigError(f"{where}: onnx_parity_rtol must be >= 0 and < 1 (0: absolute tolerance only), got "
                           f"{m.onnx_parity_rtol}")
@@ -563,8 +568,9 @@ def validate_model(m: ModelConfig) -> ModelConfig:
             raise ConfigError(f"{where}: {key} must be >= 1, got {getattr(m, key)}")
     if not 1 <= m.beam_size <= MAX_BEAM_SIZE:
         raise ConfigError(f"{where}: beam_size must be between 1 and {MAX_BEAM_SIZE}, got {m.beam_size}")
-    if m.max_len_a < 0 or m.max_len_b < 0:
-        raise ConfigError(f"{where}: max_len_a and max_len_b must be >= 0, got {m.max_len_a} and {m.max_len_b}")
+    if not (0 <= m.max_len_a <= MAX_LEN_A and 0 <= m.max_len_b <= MAX_LEN_B):  # also refuses NaN and inf
+        raise ConfigError(f"{where}: max_len_a must be between 0 and {MAX_LEN_A:g} and max_len_b between 0 and "
+                          f"{MAX_LEN_B}, got {m.max_len_a} and {m.max_len_b}")
     if not 0 <= m.length_penalty <= 10:
         raise ConfigError(f"{where}: length_penalty must be between 0 and 10, got {m.length_penalty}")
     if m.instances != 1:
@@ -760,8 +766,9 @@ def validate_server(cfg: ServerConfig) -> ServerConfig:
     if cfg.metrics_port is not None and cfg.metrics_port > 65535:
         raise ConfigError(f"metrics_port must be between 0 and 65535, got {cfg.metrics_port}")
     for key in ("max_receive_message_length", "max_send_message_length"):
-        if getattr(cfg, key) < 1024:
-            raise ConfigError(f"{key} must be at least 1024 bytes, got {getattr(cfg, key)}")
+        if not 1024 <= getattr(cfg, key) <= MAX_MESSAGE_BYTES:
+            raise ConfigError(f"{key} must be between 1024 and {MAX_MESSAGE_BYTES} bytes (grpc's int32 channel "
+                              f"argument), got {getattr(cfg, key)}")
     # NaN would fire the exit deadline at once, and a value past threading.TIMEOUT_MAX kills that thread
     # (OverflowError), leaving a hung drain without its backstop (service/drain.py ExitDeadline).
     if not 0 <= cfg.drain_timeout <= MAX_DRAIN_SECONDS:  # also refuses NaN

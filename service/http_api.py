@@ -192,7 +192,8 @@ def _json(body: Any, status: int = 200, headers: dict | None = None) -> web.Resp
 def _retry_after_from_trailer(trailing: tuple) -> float | None:
     for key, value in trailing:
         if key == "grpc-retry-pushback-ms":
-            return int(value) / 1000.0
+            ms = int(value)
+            return ms / 1000.0 if ms >= 0 else None  # negative: do not retry (gRFC A6), so no Retry-After
     return None
 
 

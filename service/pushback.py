@@ -36,6 +36,10 @@ import time
 from typing import Callable
 
 PUSHBACK_TRAILER = "grpc-retry-pushback-ms"  # gRFC A6; an integer number of milliseconds
+# gRFC A6: a negative pushback tells a client's retry policy not to retry. Sent with a RESOURCE_EXHAUSTED
+# that no retry can help (a request or reply over a size limit), which the documented policy would otherwise
+# retry up to maxAttempts times, each attempt redoing the whole inference.
+NO_RETRY_PUSHBACK = "-1"
 MIN_RETRY_S = 0.010
 MAX_RETRY_S = 2.0
 UNKNOWN_RATE_RETRY_S = 0.050  # no batch measured yet (e.g. the first seconds after start)

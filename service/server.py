@@ -74,7 +74,7 @@ class SwitchIntervals:
                 if i < len(self._held):  # a later server's value stays; it now stands on our predecessor
                     self._held[i] = (self._held[i][0], previous)
                 else:
-                    sys.setswitchinterval(previous)
+                    _set_switch_interval_us(previous * 1e6)
                 return
 
 
@@ -102,8 +102,14 @@ def apply_switch_interval(microseconds: float | None) -> float:
     """
     previous = sys.getswitchinterval()
     if microseconds is not None:
-        sys.setswitchinterval(microseconds / 1e6)
+        _set_switch_interval_us(microseconds)
     return previous
+
+
+def _set_switch_interval_us(microseconds: float) -> None:
+    # CPython keeps whole microseconds and truncates: 249 / 1e6 would become 248 us, and so would setting
+    # back a value read with getswitchinterval(); half a microsecond up lands on the intended one.
+    sys.setswitchinterval((round(microseconds) + 0.5) / 1e6)
 
 
 def refused_task(method: str) -> str:

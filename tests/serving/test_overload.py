@@ -100,18 +100,32 @@ def test_queue_full_is_resource_exhausted_with_a_pushback_trailer():
     assert (REGISTRY.get_sample_value("relserve_rejection_duration_seconds_count", hist) or 0.0) == before + 1
 
 
-def test_limit_refusal_carries_no_pushback():
-    """More units than the queue can ever hold: RESOURCE_EXHAUSTED naming the limit, and no retry advice."""
+def test_limit_refusal_tells_retry_policies_not_to_retry():
+    """More units than the queue can ever hold: RESOURCE_EXHAUSTED naming the limit, with gRFC A6's negative
+    pushback, so a client with the documented retry policy makes one attempt, not maxAttempts."""
     model = "overload-limit"
     srv, backend, _runner = _serve(model, TASK_CLASSIFICATION, max_queue_size=1)
     backend.gate.set()
+    retrying = grpc.insecure_channel(f"127.0.0.1:{srv.port}", options=[
+        ("grpc.enable_retries", 1), ("grpc.service_config", SERVICE_CONFIG.read_text())])
     try:
         with pytest.raises(grpc.RpcError) as err:
             srv.stub.Classify(pb.ClassifyRequest(model=model, texts=["good", "bad"]), timeout=10)
+        before = _count(model, "RESOURCE_EXHAUSTED")
+        from relserve.service._proto import inference_pb2_grpc as pb_grpc
+
+        with pytest.raises(grpc.RpcError) as retried:
+            pb_grpc.InferenceStub(retrying).Classify(pb.ClassifyRequest(model=model, texts=["good", "bad"]),
+                                                     timeout=10)
+        attempts = _count(model, "RESOURCE_EXHAUSTED") - before
     finally:
+        retrying.close()
         srv.close()
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert PUSHBACK_TRAILER not in dict(err.value.trailing_metadata())
+    assert "max_queue_size 1" in err.value.details()
+    assert dict(err.value.trailing_metadata())[PUSHBACK_TRAILER] == "-1"
+    assert retried.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert attempts == 1  # the documented policy retries RESOURCE_EXHAUSTED, but not against this pushback
 
 
 def test_client_with_the_documented_retry_policy_succeeds_after_a_queue_full():

@@ -267,6 +267,10 @@ def test_overlapping_servers_leave_the_interval_of_those_still_serving(stop_orde
     before = sys.getswitchinterval()
     intervals, a, b = SwitchIntervals(), object(), object()
     try:
+        intervals.enter(a, 249)  # CPython truncates to whole microseconds: 249 / 1e6 alone would be 248
+        assert round(sys.getswitchinterval() * 1e6, 3) == 249
+        intervals.leave(a)
+        assert sys.getswitchinterval() == before  # not a microsecond less
         intervals.enter(a, 10)
         intervals.enter(b, 20)
         assert sys.getswitchinterval() == pytest.approx(20e-6)

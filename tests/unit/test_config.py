@@ -5,6 +5,7 @@ is loaded: model directories here are empty folders."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -408,7 +409,7 @@ def test_compute_keys_defaults_and_overrides(tmp_path):
     ({}, "a={d},max_batch_time_ms=-1", "max_batch_time_ms must be between 0 (no cap) and 60000 milliseconds"),
     ({}, "a={d},max_batch_time_ms=nan", "max_batch_time_ms must be between 0 (no cap) and 60000"),
     ({}, "a={d},max_batch_time_ms=soon", "max_batch_time_ms must be a number"),
-    ({}, "a={d},torch_intra_op_threads=-1", "torch_intra_op_threads must be >= 0"),
+    ({}, "a={d},torch_intra_op_threads=-1", "torch_intra_op_threads must be between 0"),
     ({}, "a={d},torch_intra_op_threads=two", "torch_intra_op_threads must be an integer"),
 ])
 def test_compute_config_errors_are_clear(tmp_path, overrides, spec, fragment):
@@ -437,6 +438,28 @@ def test_gil_switch_interval_key_flag_and_limits(tmp_path):
     for bad in (0, 0.5, 2e6, float("nan")):
         with pytest.raises(ConfigError, match="gil_switch_interval_us must be between 1 and 1000000"):
             load_config(overrides={"gil_switch_interval_us": bad}, model_specs=[f"a={tmp_path}"])
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("a={d},max_len_a=inf", "max_len_a must be between 0 and 100"),
+    ("a={d},max_len_a=nan", "max_len_a must be between 0 and 100"),
+    ("a={d},max_len_a=1.7e308", "max_len_a must be between 0 and 100"),
+    ("a={d},max_len_b=" + "9" * 30, "max_len_b between 0 and 1000000"),
+    ("a={d},torch_intra_op_threads=2147483648", "torch_intra_op_threads must be between 0"),
+    ("a={d},onnx_intra_op_threads=100000", "onnx_intra_op_threads must be between 0"),
+    ("a={d},max_queue_delay=nan", "max_queue_delay must be between 0 and 10"),
+    ("a={d},onnx_parity_tolerance=inf", "onnx_parity_tolerance must be > 0 and finite"),
+])
+def test_model_numbers_out_of_range_are_refused_at_config_time(tmp_path, spec, fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        load_config(model_specs=[spec.format(d=tmp_path)])
+
+
+def test_message_limits_past_grpcs_int32_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="max_send_message_length must be between 1024 and 2147483647"):
+        load_config(overrides={"max_send_message_length": 2**31}, model_specs=[f"a={tmp_path}"])
+    assert load_config(overrides={"max_receive_message_length": 2**31 - 1},
+                       model_specs=[f"a={tmp_path}"]).max_receive_message_length == 2**31 - 1
 
 
 def test_numbers_past_float_or_int_range_are_config_errors_not_tracebacks(tmp_path):
