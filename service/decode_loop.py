@@ -352,9 +352,11 @@ class DecodeLoop:
             if s.future.done():
                 dropped.append(s)
             elif s.deadline is not None and s.deadline <= now:
+                # worded as queueing.wait_all's own deadline message: whichever of the two fires first under
+                # load, the client reads the same phase
                 fail(s, DeadlineExceeded(
-                    f"deadline passed after {s.steps} decoder steps of model {self.name!r}; the text's "
-                    f"hypotheses were dropped"
+                    f"deadline exceeded while decoding (model {self.name!r}), after {s.steps} decoder steps; the "
+                    f"text's hypotheses were dropped"
                 ))
                 dropped.append(s)
             else:
