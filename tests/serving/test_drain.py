@@ -188,11 +188,16 @@ async def _watch_then_term(srv: FakeServerProcess) -> tuple[list[int], str, floa
     async with grpc.aio.insecure_channel(srv.target) as ch:
         call = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""))
         seen.append((await call.read()).status)  # the current status: SERVING
+        # grpc.aio's read() raises at once, skipping messages it holds, once the status has arrived; so the
+        # read that takes NOT_SERVING is pending before the signal, or a slow client loop could miss it.
+        pending = asyncio.ensure_future(call.read())
+        await asyncio.sleep(0.05)
         t0 = time.monotonic()
         srv.terminate()
         try:
-            while (reply := await call.read()) is not grpc.aio.EOF:
+            while (reply := await pending) is not grpc.aio.EOF:
                 seen.append(reply.status)
+                pending = asyncio.ensure_future(call.read())
             ended = "OK"
         except grpc.aio.AioRpcError as exc:
             ended = exc.code().name
