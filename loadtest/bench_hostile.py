@@ -31,6 +31,9 @@ readiness probe fails at 2 s). Scenarios (one function each, ``SCENARIOS``):
 * ``switch-interval`` (opt-in: ``--only switch-interval``) — ``overload`` with one text per request, once per
   ``--switch-intervals`` value of the server's GIL switch interval, for ``--rounds`` rounds in turn: the
   medians side by side and their ratios to the first (default: Python's 5000 us, the server's default, against 10 us).
+* ``worker-process`` (opt-in: ``--only worker-process``) — ``overload`` with one and four texts per request,
+  the model in the server's process (``worker_process=false``) and in a worker process (``true``), for
+  ``--rounds`` rounds in turn: the medians side by side, their ratios, and each one's goodput / capacity.
 
 Prints, per scenario: the hostile request's status and wall time, the worst and 99th-percentile probe
 latency, the ratio worst probe / the 50 ms target, the median over ``--repeat`` requests of the worst probe
@@ -327,39 +330,59 @@ def overload(args: argparse.Namespace, server_flags: tuple[str, ...] = (), texts
     return out
 
 
-def switch_interval(args: argparse.Namespace) -> dict[str, Any]:
-    """The GIL switch interval's effect, side by side: for each of ``--switch-intervals`` (microseconds, the
-    server's ``--gil-switch-interval-us``), in turn for ``--rounds`` rounds, the ``overload`` scenario with one
-    text per request (capacity, then 64 retrying clients with pushback and with a fixed 50 ms). Prints the
-    median over rounds of each figure and its ratio to the first interval's."""
-    intervals = args.switch_intervals
-    figures = {us: collections.defaultdict(list) for us in intervals}
+def side_by_side(args: argparse.Namespace, variants: dict[str, tuple[tuple[str, ...], tuple[str, ...]]],
+                 texts_options: tuple[int, ...] = (1,)) -> dict[str, Any]:
+    """The ``overload`` scenario (capacity, then 64 retrying clients with pushback and with a fixed 50 ms) once
+    per variant, in turn for ``--rounds`` rounds: the median over rounds of each figure side by side, its
+    ratio to the first variant's, and each variant's goodput / capacity. ``variants``: label ->
+    ``(server flags, per-model options)`` added to the scenario's own."""
+    labels = list(variants)
+    figures = {label: collections.defaultdict(list) for label in labels}
     for round_ in range(args.rounds):
-        for us in intervals:
-            print(f"-- gil_switch_interval_us {us:g}, round {round_ + 1} of {args.rounds}", flush=True)
-            runs = overload(args, ("--gil-switch-interval-us", f"{us:g}"), texts_options=(1,), floor=False)["runs"]
+        for label, (flags, options) in variants.items():
+            print(f"-- {label}, round {round_ + 1} of {args.rounds}", flush=True)
+            run_args = argparse.Namespace(**{**vars(args), "model_option": [*args.model_option, *options]})
+            runs = overload(run_args, flags, texts_options=texts_options, floor=False)["runs"]
             for name, r in runs.items():
-                figures[us][f"{name} req/s"].append(r["goodput_rps"])
-                batch = r.get("server", {}).get("mean_batch_s")
-                if batch is not None:
-                    figures[us][f"{name} batch ms"].append(batch * 1000)
-    medians = {us: {k: statistics.median(v) for k, v in f.items()} for us, f in figures.items()}
-    first = medians[intervals[0]]
-    print(f"{'median over rounds':34s}" + "".join(f"{f'{us:g} us':>12s}" for us in intervals)
-          + "".join(f"{f'{us:g}/{intervals[0]:g}':>12s}" for us in intervals[1:]), flush=True)
+                figures[label][f"{name} req/s"].append(r["goodput_rps"])
+                server = r.get("server", {})
+                if server.get("mean_batch_s") is not None:
+                    figures[label][f"{name} batch ms"].append(server["mean_batch_s"] * 1000)
+                if server.get("cpu_cores") is not None:
+                    figures[label][f"{name} server cores"].append(server["cpu_cores"])
+    medians = {label: {k: statistics.median(v) for k, v in f.items()} for label, f in figures.items()}
+    first = medians[labels[0]]
+    print(f"{'median over rounds':34s}" + "".join(f"{label:>14s}" for label in labels)
+          + "".join(f"{f'{label}/{labels[0]}':>14s}" for label in labels[1:]), flush=True)
     for key in first:
-        row = [medians[us].get(key) for us in intervals]
-        print(f"{key:34s}" + "".join(f"{v:12.1f}" if v is not None else f"{'-':>12s}" for v in row)
-              + "".join(f"{v / row[0]:12.2f}" if v is not None and row[0] else f"{'-':>12s}" for v in row[1:]),
+        row = [medians[label].get(key) for label in labels]
+        print(f"{key:34s}" + "".join(f"{v:14.2f}" if v is not None else f"{'-':>14s}" for v in row)
+              + "".join(f"{v / row[0]:14.2f}" if v is not None and row[0] else f"{'-':>14s}" for v in row[1:]),
               flush=True)
-    for us in intervals:
-        m = medians[us]
-        cap, fixed = m.get("capacity-1 req/s"), m.get("overload-1-fixed50ms req/s")
-        if cap:
-            print(f"{f'{us:g} us':34s} fixed-50ms goodput / capacity = {fixed / cap:.2f}, pushback "
-                  f"{m.get('overload-1-pushback req/s', 0) / cap:.2f} (target >= {GOODPUT_TARGET:.2f})", flush=True)
-    return {"intervals_us": intervals, "rounds": args.rounds, "figures": {f"{us:g}": f for us, f in figures.items()},
-            "medians": {f"{us:g}": m for us, m in medians.items()}}
+    for label in labels:
+        m = medians[label]
+        for texts in texts_options:
+            cap = m.get(f"capacity-{texts} req/s")
+            if cap:
+                print(f"{label:20s} {texts} text(s): fixed-50ms goodput / capacity = "
+                      f"{m.get(f'overload-{texts}-fixed50ms req/s', 0) / cap:.2f}, pushback "
+                      f"{m.get(f'overload-{texts}-pushback req/s', 0) / cap:.2f} (target >= {GOODPUT_TARGET:.2f})",
+                      flush=True)
+    return {"variants": labels, "rounds": args.rounds, "figures": figures, "medians": medians}
+
+
+def switch_interval(args: argparse.Namespace) -> dict[str, Any]:
+    """The GIL switch interval's effect (:func:`side_by_side`): one variant per ``--switch-intervals`` value
+    (microseconds, the server's ``--gil-switch-interval-us``), one text per request."""
+    return side_by_side(args, {f"{us:g} us": (("--gil-switch-interval-us", f"{us:g}"), ()) for us in
+                               args.switch_intervals})
+
+
+def worker_process(args: argparse.Namespace) -> dict[str, Any]:
+    """The model in the server's process against in a worker process (``worker_process`` false / true;
+    :func:`side_by_side`), one and four texts per request."""
+    return side_by_side(args, {"in-process": ((), ("worker_process=false",)),
+                               "worker": ((), ("worker_process=true",))}, texts_options=(1, 4))
 
 
 def _intervals(text: str) -> list[float]:
@@ -446,8 +469,9 @@ SCENARIOS: dict[str, Callable[[ServerProcess, argparse.Namespace], dict[str, Any
 OWN_SERVER_SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "overload": overload,
     "switch-interval": switch_interval,
+    "worker-process": worker_process,
 }
-OPT_IN_SCENARIOS = ("switch-interval",)  # run only when named with --only
+OPT_IN_SCENARIOS = ("switch-interval", "worker-process")  # run only when named with --only
 
 
 def _has_translation() -> bool:
@@ -492,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="switch-interval: the --gil-switch-interval-us values to compare (default 5000,10: "
                          "Python's own, the server's default, and the value that helps encoders most)")
     ap.add_argument("--rounds", type=_positive_int, default=2,
-                    help="switch-interval: rounds over the intervals (default 2)")
+                    help="switch-interval, worker-process: rounds over the variants (default 2)")
     ap.add_argument("--out", default="loadtest-results", help="directory for bench_hostile.json")
     args = ap.parse_args(argv)
     names = args.only or [n for n in (*SCENARIOS, *OWN_SERVER_SCENARIOS) if n not in OPT_IN_SCENARIOS]

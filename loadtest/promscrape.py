@@ -78,7 +78,10 @@ def histogram_quantile(before: Snapshot, after: Snapshot, name: str, q: float, *
 
 
 def rss_bytes(snap: Snapshot) -> float | None:
-    return snap.get("process_resident_memory_bytes") if snap.has("process_resident_memory_bytes") else None
+    """The server's resident memory: its process plus the worker processes of ``worker_process`` models."""
+    if not snap.has("process_resident_memory_bytes"):
+        return None
+    return snap.get("process_resident_memory_bytes") + snap.get("relserve_worker_resident_memory_bytes")
 
 
 def _ratio(num: float, den: float) -> float | None:

@@ -208,14 +208,16 @@ def server_window(before: promscrape.Snapshot, after: promscrape.Snapshot, model
                   duration: float) -> dict[str, Any]:
     """Server-side figures between two scrapes: OK and RESOURCE_EXHAUSTED counts, the rejection time
     quantiles (arrival to status, from ``relserve_rejection_duration_seconds``; None on a server without
-    it), the mean batch size and backend seconds per batch, and the CPU cores the server process used."""
+    it), the mean batch size and backend seconds per batch, and the CPU cores the server used (its process and
+    the worker processes of ``worker_process`` models; ``worker_cpu_cores`` those alone)."""
 
     def delta(name: str, **labels: str) -> float:
         return after.get(name, **labels) - before.get(name, **labels)
 
     hist = "relserve_rejection_duration_seconds"
     has_hist = after.has(f"{hist}_count")
-    cpu = delta("process_cpu_seconds_total")
+    worker_cpu = delta("relserve_worker_cpu_seconds_total")  # worker_process models' children
+    cpu = delta("process_cpu_seconds_total") + worker_cpu
     batches = delta("relserve_batch_size_count", model=model)
     return {
         "mean_batch_size": delta("relserve_batch_size_sum", model=model) / batches if batches else None,
@@ -231,6 +233,7 @@ def server_window(before: promscrape.Snapshot, after: promscrape.Snapshot, model
                      if has_hist else None),
         },
         "cpu_cores": cpu / duration if after.has("process_cpu_seconds_total") else None,
+        "worker_cpu_cores": worker_cpu / duration if after.has("relserve_worker_cpu_seconds_total") else None,
     }
 
 

@@ -280,9 +280,16 @@ class Lane:
 def thread_share() -> int:
     """The intra-op threads the calling backend thread's current call should use (see
     :meth:`ComputeScheduler.thread_share`); 0 (the backend's default) outside :meth:`Lane.run` or unless
-    the mode is ``partition``."""
+    the mode is ``partition``, except where :func:`set_thread_share` set one."""
     lane = getattr(_current, "lane", None)
-    return lane.scheduler.thread_share() if lane is not None else 0
+    return lane.scheduler.thread_share() if lane is not None else getattr(_current, "share", 0)
+
+
+def set_thread_share(threads: int) -> None:
+    """What :func:`thread_share` answers in the calling thread outside :meth:`Lane.run`: a model's worker
+    process (``backends/worker.py``) has no scheduler of its own and applies the share its parent's scheduler
+    gave the call."""
+    _current.share = max(0, int(threads))
 
 
 def yield_point() -> None:

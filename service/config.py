@@ -102,6 +102,9 @@ Example file::
                                           #   default, one per core)
         torch_unpadded: true              # torch backend, DeBERTa: batches with padding run the dense layers
                                           #   on the real tokens only (attention core padded); false: padded
+        worker_process: false             # encoder models: compute in a child process of the server (own
+                                          #   GIL: the event loop's refusals no longer slow the batches;
+                                          #   service/backends/worker.py); restarted if it dies
         onnx_graph_optimization: all      # disable | basic | extended | all
         onnx_parity_tolerance: 0.001      # graph vs torch on the warm-up batch at load: passes where
         onnx_parity_rtol: 0.0001          #   |diff| <= onnx_parity_tolerance + onnx_parity_rtol * |torch|;
@@ -229,6 +232,7 @@ class ModelConfig:
     onnx_parity_rtol: float = 1e-4
     torch_intra_op_threads: int = 0  # torch backends: intra-op threads of the model's thread (0: torch's default)
     torch_unpadded: bool = True  # torch backends, DeBERTa encoders: dense layers on real tokens (models/deberta.py)
+    worker_process: bool = False  # encoder models: the backend computes in a child process (backends/worker.py)
     spm_normalization: str = "spm"  # SPM_NORMALIZATIONS: spm.model-only tokenizers (models/tokenization.py)
     # translation (RNNsearch) models only
     scheduling: str = "iteration"
@@ -346,7 +350,7 @@ _MODEL_TYPES: dict[str, type] = {
     "length_bucketing": bool, "cost_batching": bool, "max_request_batch_share": float, "max_batch_time_ms": float,
     "onnx_cache_dir": str, "onnx_intra_op_threads": int, "onnx_graph_optimization": str,
     "onnx_parity_tolerance": float, "onnx_parity_rtol": float, "torch_intra_op_threads": int,
-    "torch_unpadded": bool, "spm_normalization": str,
+    "torch_unpadded": bool, "worker_process": bool, "spm_normalization": str,
     "scheduling": str, "max_active_hypotheses": int, "encode_batch_delay_ms": float,
     "max_source_tokens": int, "beam_size": int,
     "max_len_a": float, "max_len_b": int, "max_output_tokens": int, "length_penalty": float,

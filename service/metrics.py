@@ -16,12 +16,12 @@ import socket
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder, gzip_accepted
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +136,62 @@ class _GpuMemoryCollector:
 
 _GPU = _GpuMemoryCollector()
 REGISTRY.register(_GPU)
+
+# model -> () -> (cpu seconds, resident bytes) of its worker process, or None while it has none
+WorkerSource = Callable[[], "tuple[float, int] | None"]
+
+
+class _WorkerProcessCollector:
+    """``relserve_worker_cpu_seconds_total`` and ``relserve_worker_resident_memory_bytes`` by model: the child
+    processes of ``worker_process`` models (service/backends/worker.py), which ``process_*`` (this process
+    only) does not count. Read at scrape time."""
+
+    def __init__(self) -> None:
+        self._sources: dict[str, WorkerSource] = {}
+        self._lock = threading.Lock()
+
+    def add(self, model: str, source: WorkerSource) -> None:
+        with self._lock:
+            self._sources[model] = source
+
+    def remove(self, model: str, source: WorkerSource) -> None:
+        with self._lock:
+            if self._sources.get(model) == source:  # bound methods: equal, never identical
+                del self._sources[model]
+
+    def collect(self) -> Iterable[Any]:
+        with self._lock:
+            sources = sorted(self._sources.items())
+        cpu = CounterMetricFamily("relserve_worker_cpu_seconds", "CPU seconds (user + system) of the model's "
+                                  "worker process (worker_process models; restarts from 0 with a new process)",
+                                  labels=["model"])
+        rss = GaugeMetricFamily("relserve_worker_resident_memory_bytes", "Resident memory of the model's worker "
+                                "process (worker_process models)", labels=["model"])
+        for model, source in sources:
+            try:
+                values = source()
+            except Exception:  # a scrape must not fail because one worker could not be read
+                continue
+            if values is not None:
+                cpu.add_metric([model], float(values[0]))
+                rss.add_metric([model], float(values[1]))
+        return [cpu, rss] if sources else []
+
+    def describe(self) -> Iterable[Any]:
+        return []
+
+
+_WORKERS = _WorkerProcessCollector()
+REGISTRY.register(_WORKERS)
+
+
+def add_worker_source(model: str, source: WorkerSource) -> None:
+    """Expose ``source``'s worker process figures under ``model`` (see :class:`_WorkerProcessCollector`)."""
+    _WORKERS.add(model, source)
+
+
+def remove_worker_source(model: str, source: WorkerSource) -> None:
+    _WORKERS.remove(model, source)
 
 
 # ---------------------------------------------------------------------- recording helpers

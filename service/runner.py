@@ -208,6 +208,8 @@ class Runner:
         m = self.meta
         metrics.set_model_info(self.name, m.family, m.task, m.backend, m.device, m.dtype)
         metrics.add_memory_source(self.backend.memory_stats)
+        if hasattr(self.backend, "process_stats"):  # worker_process: its child's CPU and memory
+            metrics.add_worker_source(self.name, self.backend.process_stats)
         self.state = "ready"
 
     async def close(self) -> None:
@@ -219,6 +221,8 @@ class Runner:
             self._tokenization.shutdown(wait=False, cancel_futures=True)
             self._tokenization = None
         metrics.remove_memory_source(self.backend.memory_stats)
+        if hasattr(self.backend, "process_stats"):
+            metrics.remove_worker_source(self.name, self.backend.process_stats)
         try:
             self.backend.close()
         except Exception:

@@ -74,7 +74,8 @@ def checkpoint_task(path: str | Path) -> str | None:
 
 
 def create_backend(config: ModelConfig) -> Backend:
-    """The encoder backend named by the model's config (imports its module, and so torch, only here).
+    """The encoder backend named by the model's config (imports its module, and so torch, only here); with
+    ``worker_process`` a :class:`.worker.WorkerBackend`, which builds that backend in a child process.
 
     Raises:
         ConfigError: unknown backend, or backend onnx without ONNX Runtime installed.
@@ -82,6 +83,11 @@ def create_backend(config: ModelConfig) -> Backend:
     backend = resolved_backend(config)
     if backend == "onnx":
         require_onnx(f"model {config.name!r}: backend onnx")
+    if config.worker_process:
+        from .worker import WorkerBackend
+
+        return WorkerBackend(config)
+    if backend == "onnx":
         from .onnx_encoder import OnnxBackend
 
         return OnnxBackend(config)
@@ -104,6 +110,9 @@ def create_translation_backend(config: ModelConfig) -> StepBackend:
                           f"offered for translation checkpoints (their BiGRU encoder graph is one ONNX GRU node, "
                           f"which ONNX Runtime's dynamic quantization leaves in float32; int8 quantization and its "
                           f"agreement gate are implemented for the encoder graphs only); use dtype float32 or auto")
+    if config.worker_process:
+        raise ConfigError(f"model {config.name!r}: worker_process is for encoder models (classification, QA); a "
+                          f"translation model's decode loop calls its backend once per decoder step, in-process")
     backend = resolved_backend(config)
     if backend == "onnx":
         require_onnx(f"model {config.name!r}: backend onnx")

@@ -48,13 +48,39 @@ def test_switch_interval_compares_medians_over_rounds_side_by_side(monkeypatch, 
         }}
 
     monkeypatch.setattr(bench_hostile, "overload", fake_overload)
-    args = argparse.Namespace(switch_intervals=[5000.0, 10.0], rounds=3)
+    args = argparse.Namespace(switch_intervals=[5000.0, 10.0], rounds=3, model_option=[])
     out = bench_hostile.switch_interval(args)
     assert [c[0] for c in calls] == [5000.0, 10.0] * 3  # in turn, round by round
     assert all(c[1] == (1,) and c[2] is False for c in calls)
-    assert out["medians"]["5000"]["capacity-1 req/s"] == 42.0  # 41, 42, 43
-    assert out["medians"]["10"]["overload-1-fixed50ms req/s"] == 34.0  # 35, 34, 33
+    assert out["medians"]["5000 us"]["capacity-1 req/s"] == 42.0  # 41, 42, 43
+    assert out["medians"]["10 us"]["overload-1-fixed50ms req/s"] == 34.0  # 35, 34, 33
     printed = capsys.readouterr().out
     row = next(line for line in printed.splitlines() if line.startswith("overload-1-fixed50ms req/s"))
-    assert row.split()[-3:] == ["8.0", "34.0", "4.25"]  # 5000 us, 10 us, ratio 10/5000
-    assert "10 us                              fixed-50ms goodput / capacity = 0.55" in printed  # 34 / 62
+    assert row.split()[-3:] == ["8.00", "34.00", "4.25"]  # 5000 us, 10 us, ratio 10/5000
+    assert "10 us                1 text(s): fixed-50ms goodput / capacity = 0.55" in printed  # 34 / 62
+
+
+def test_worker_process_scenario_runs_both_modes_with_the_model_option(monkeypatch, capsys):
+    import argparse
+
+    from relserve.loadtest import bench_hostile
+
+    seen = []
+
+    def fake_overload(args, server_flags=(), texts_options=(1, 4), floor=True):
+        seen.append((tuple(args.model_option), texts_options))
+        worker = "worker_process=true" in args.model_option
+        runs = {}
+        for t in texts_options:
+            runs[f"capacity-{t}"] = {"goodput_rps": 10.0 * t, "server": {"cpu_cores": 1.5 if worker else 1.0}}
+            runs[f"overload-{t}-fixed50ms"] = {"goodput_rps": (9.0 if worker else 3.0) * t, "server": {}}
+        return {"runs": runs}
+
+    monkeypatch.setattr(bench_hostile, "overload", fake_overload)
+    out = bench_hostile.worker_process(argparse.Namespace(rounds=1, model_option=["max_queue_size=8"]))
+    assert seen == [(("max_queue_size=8", "worker_process=false"), (1, 4)),
+                    (("max_queue_size=8", "worker_process=true"), (1, 4))]
+    assert out["medians"]["worker"]["overload-4-fixed50ms req/s"] == 36.0
+    printed = capsys.readouterr().out
+    assert "worker               4 text(s): fixed-50ms goodput / capacity = 0.90" in printed
+    assert "in-process           1 text(s): fixed-50ms goodput / capacity = 0.30" in printed

@@ -1,0 +1,227 @@
+"""worker_process: an encoder model computed in a child process (service/backends/worker.py), through a real
+grpc.aio server: the same answers as in-process, the child's CPU and memory in the metrics, a child killed
+while idle or during a batch (only that batch fails, the next one is served by a new child), the child ended
+with the server and with a killed parent, and translation models refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fixtures.deberta import make_deberta_checkpoint  # noqa: E402
+from fixtures.fake_serving import server_config  # noqa: E402
+from fixtures.server import Running  # noqa: E402
+from relserve.service._proto import inference_pb2 as pb  # noqa: E402
+from relserve.service.backends import create_backend, create_translation_backend  # noqa: E402
+from relserve.service.backends.padding import WarmupEncoding  # noqa: E402
+from relserve.service.backends.worker import WorkerBackend  # noqa: E402
+from relserve.service.config import ConfigError, ModelConfig  # noqa: E402
+from relserve.service.errors import Internal  # noqa: E402
+from relserve.service.registry import build_runner  # noqa: E402
+
+CONTEXT = "Ann lives in Berlin and works as a baker. Her brother Tom lives in Paris. " * 6
+TEXTS = ["some text", "some longer text about Berlin", "word " * 150, "x"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(unigram_tokenizer_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("worker-ckpt")
+    return {name: make_deberta_checkpoint(root / name, task=task, tokenizer_dir=unigram_tokenizer_dir,
+                                          labels=("a", "b", "c"), init="spread", seed=seed).path
+            for name, task, seed in (("cls", "classification", 1), ("qa", "question-answering", 2))}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped) is gone for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module")
+def srv(checkpoints):
+    common = dict(device="cpu", dtype="float32", max_seq_len=128, max_queue_delay=0.002, doc_stride=32)
+    runners = [build_runner(ModelConfig(name=f"{task}-{mode}", path=checkpoints[task], worker_process=mode == "worker",
+                                        **common))
+               for task in ("cls", "qa") for mode in ("inproc", "worker")]
+    s = Running(server_config(), runners)
+    s.wait_serving(timeout=150)
+    yield s
+    s.close()
+
+
+def _worker(srv, name: str) -> WorkerBackend:
+    backend = next(r for r in srv.server.runners if r.name == name).backend
+    assert isinstance(backend, WorkerBackend)
+    return backend
+
+
+def _classify(srv, model: str):
+    return srv.stub.Classify(pb.ClassifyRequest(model=model, texts=TEXTS), timeout=60).results
+
+
+def _assert_same_classify(a, b) -> None:
+    assert len(a) == len(b) == len(TEXTS)
+    for x, y in zip(a, b):
+        assert (x.num_tokens, x.truncated) == (y.num_tokens, y.truncated)
+        assert [s.label for s in x.labels] == [s.label for s in y.labels]
+        np.testing.assert_allclose([s.score for s in x.labels], [s.score for s in y.labels], atol=1e-6)
+
+
+def test_worker_answers_as_the_in_process_model(srv):
+    _assert_same_classify(_classify(srv, "cls-inproc"), _classify(srv, "cls-worker"))
+    for question in ("Where does Ann live?", "Who is Tom?"):
+        kw = dict(question=question, context=CONTEXT, top_k=3)
+        a = srv.stub.Answer(pb.AnswerRequest(model="qa-inproc", **kw), timeout=60)
+        b = srv.stub.Answer(pb.AnswerRequest(model="qa-worker", **kw), timeout=60)
+        assert a.num_windows == b.num_windows >= 2
+        assert [(x.text, x.start, x.end) for x in a.answers] == [(x.text, x.start, x.end) for x in b.answers]
+        np.testing.assert_allclose([x.score for x in a.answers], [x.score for x in b.answers], atol=1e-6)
+    models = {m.name: m for m in srv.stub.ListModels(pb.ListModelsRequest()).models}
+    assert (models["cls-worker"].backend, models["cls-worker"].device) == ("torch", "cpu")
+
+
+def test_the_worker_is_a_child_process_and_its_cpu_and_memory_are_metrics(srv):
+    backend = _worker(srv, "cls-worker")
+    pid = backend.pid
+    assert pid not in (None, os.getpid()) and _alive(pid)
+    with open(f"/proc/{pid}/stat") as f:
+        assert int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid()  # ppid: the server's process
+    _classify(srv, "cls-worker")
+    body = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10).read().decode()
+    values = {}
+    for line in body.splitlines():
+        for name in ("relserve_worker_cpu_seconds_total", "relserve_worker_resident_memory_bytes"):
+            if line.startswith(f'{name}{{model="cls-worker"}}'):
+                values[name] = float(line.split()[-1])
+    assert values["relserve_worker_cpu_seconds_total"] > 0.1  # it loaded torch and a model, and ran batches
+    assert values["relserve_worker_resident_memory_bytes"] > 50e6
+    assert 'relserve_worker_cpu_seconds_total{model="cls-inproc"}' not in body
+
+
+def test_a_worker_killed_while_idle_is_restarted_and_no_request_fails(srv):
+    backend = _worker(srv, "cls-worker")
+    old = backend.pid
+    os.kill(old, signal.SIGKILL)
+    assert _wait_gone(old)
+    _assert_same_classify(_classify(srv, "cls-inproc"), _classify(srv, "cls-worker"))
+    assert backend.pid not in (None, old) and _alive(backend.pid)
+
+
+def test_a_worker_that_dies_during_a_batch_fails_that_batch_only(srv):
+    backend = _worker(srv, "qa-worker")
+    old = backend.pid
+    # Stop the child, then kill it once the batch is on its way: it dies holding the batch, which fails
+    # with INTERNAL naming what ended it; the next request is served by a new child.
+    os.kill(old, signal.SIGSTOP)
+    call = srv.stub.Answer.future(pb.AnswerRequest(model="qa-worker", question="Who is Tom?", context=CONTEXT),
+                                  timeout=60)
+    time.sleep(0.5)
+    os.kill(old, signal.SIGKILL)
+    with pytest.raises(grpc.RpcError) as err:
+        call.result()
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert "worker process was killed by SIGKILL" in err.value.details()
+    kw = dict(question="Who is Tom?", context=CONTEXT, top_k=2)
+    a = srv.stub.Answer(pb.AnswerRequest(model="qa-inproc", **kw), timeout=60)
+    b = srv.stub.Answer(pb.AnswerRequest(model="qa-worker", **kw), timeout=60)
+    assert [(x.text, x.start) for x in a.answers] == [(x.text, x.start) for x in b.answers]
+    assert backend.pid != old
+
+
+def test_closing_the_model_ends_its_worker(checkpoints):
+    runner = build_runner(ModelConfig(name="m", path=checkpoints["cls"], device="cpu", dtype="float32",
+                                      max_seq_len=64, worker_process=True))
+    s = Running(server_config(), [runner])
+    try:
+        s.wait_serving(timeout=150)
+        pid = runner.backend.pid
+        assert _alive(pid)
+    finally:
+        s.close()
+    assert _wait_gone(pid, 5.0)
+
+
+def test_the_worker_dies_with_a_killed_parent(checkpoints, tmp_path):
+    """The parent is SIGKILLed (no drain, no close): the child must not outlive it (PR_SET_PDEATHSIG)."""
+    pid_file = tmp_path / "pid"
+    script = textwrap.dedent(f"""
+        from relserve.service.backends import create_backend
+        from relserve.service.config import ModelConfig
+        be = create_backend(ModelConfig(name="m", path={str(checkpoints["cls"])!r}, device="cpu", dtype="float32",
+                                        max_seq_len=64, worker_process=True))
+        be.load()
+        open({str(pid_file)!r}, "w").write(str(be.pid))
+        import time
+        time.sleep(120)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        end = time.monotonic() + 120
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < end:
+            assert parent.poll() is None, "the parent exited before its worker loaded"
+            time.sleep(0.1)
+        child = int(pid_file.read_text())
+        assert _alive(child)
+    finally:
+        parent.kill()
+        parent.wait(10)
+    assert _wait_gone(child, 10.0)
+
+
+def test_load_errors_of_the_child_reach_the_parent(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    errors = []
+    for worker in (False, True):
+        be = create_backend(ModelConfig(name="m", path=tmp_path, device="cpu", worker_process=worker))
+        with pytest.raises(Exception) as err:
+            be.load()
+        errors.append((type(err.value), str(err.value)))
+        be.close()
+    assert errors[0] == errors[1] and "no 'architectures' entry" in errors[0][1]  # the same error, not "worker died"
+
+
+def test_a_call_to_a_dead_worker_is_internal_naming_the_exit(checkpoints):
+    be = create_backend(ModelConfig(name="m", path=checkpoints["cls"], device="cpu", dtype="float32",
+                                    max_seq_len=64, worker_process=True))
+    be.load()
+    pid = be.pid
+    try:
+        os.kill(pid, signal.SIGKILL)
+        assert _wait_gone(pid)
+        with pytest.raises(Internal, match=r"worker process was killed by SIGKILL during run"):
+            be._call("run", 1, [WarmupEncoding([1, 5, 2])])  # past run()'s liveness check: the pipe's EOF
+        out = be.run([WarmupEncoding([1, 5, 2])])  # run() starts a new child
+        assert out[0].shape == (3,) and be.pid != pid
+    finally:
+        be.close()
+
+
+def test_translation_models_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="worker_process is for encoder models"):
+        create_translation_backend(ModelConfig(name="tr", path=tmp_path, device="cpu", worker_process=True))
