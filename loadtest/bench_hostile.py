@@ -352,12 +352,13 @@ def side_by_side(args: argparse.Namespace, variants: dict[str, tuple[tuple[str, 
                     figures[label][f"{name} server cores"].append(server["cpu_cores"])
     medians = {label: {k: statistics.median(v) for k, v in f.items()} for label, f in figures.items()}
     first = medians[labels[0]]
-    print(f"{'median over rounds':34s}" + "".join(f"{label:>14s}" for label in labels)
-          + "".join(f"{f'{label}/{labels[0]}':>14s}" for label in labels[1:]), flush=True)
+    heads = labels + [f"{label}/{labels[0]}" for label in labels[1:]]
+    w = max(12, *(len(h) for h in heads)) + 2
+    print(f"{'median over rounds':34s}" + "".join(f"{h:>{w}s}" for h in heads), flush=True)
     for key in first:
         row = [medians[label].get(key) for label in labels]
-        print(f"{key:34s}" + "".join(f"{v:14.2f}" if v is not None else f"{'-':>14s}" for v in row)
-              + "".join(f"{v / row[0]:14.2f}" if v is not None and row[0] else f"{'-':>14s}" for v in row[1:]),
+        print(f"{key:34s}" + "".join(f"{v:{w}.2f}" if v is not None else f"{'-':>{w}s}" for v in row)
+              + "".join(f"{v / row[0]:{w}.2f}" if v is not None and row[0] else f"{'-':>{w}s}" for v in row[1:]),
               flush=True)
     for label in labels:
         m = medians[label]
@@ -445,7 +446,9 @@ def _print_overload_run(name: str, r: dict[str, Any]) -> None:
                  f"{_ms_or(r['pushback_s']['p50'])} on {r['pushback_s']['replies_with_trailer']} of "
                  f"{r['rejected']} refusals; {r['mean_attempts_per_ok'] or 0:.2f} attempts per OK")
     if server.get("cpu_cores") is not None:
-        line += (f"\n{'':28s} server CPU {server['cpu_cores']:.2f} cores, clients "
+        worker = (f" (of which the worker process {server['worker_cpu_cores']:.2f})"
+                  if server.get("worker_cpu_cores") is not None else "")
+        line += (f"\n{'':28s} server CPU {server['cpu_cores']:.2f} cores{worker}, clients "
                  f"{r['client_cpu_s'] / r['client_window_s']:.2f} cores; mean batch {server['mean_batch_size'] or 0:.1f} "
                  f"units in {_ms_or(server['mean_batch_s'])}")
     if r["other_errors"]:

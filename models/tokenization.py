@@ -971,7 +971,7 @@ def _byte_level_bpe_backend(vocab_path: str, merges_path: str, cfg: dict,
     return _TokenizersBackend(vocab_path, spec, tok=tok), spec
 
 
-def load_tokenizer(directory: str | os.PathLike, spm_normalization: str = "spm") -> Tokenizer:
+def load_tokenizer(directory: str | os.PathLike, spm_normalization: str = "spm", log_choice: bool = True) -> Tokenizer:
     """Load ``tokenizer.json`` (preferred), ``spm.model`` or ``vocab.json`` + ``merges.txt`` (DeBERTa v1's
     byte-level BPE, :func:`_byte_level_bpe_backend`) from a checkpoint/tokenizer directory.
 
@@ -983,7 +983,8 @@ def load_tokenizer(directory: str | os.PathLike, spm_normalization: str = "spm")
     ``tokenizer.json``): ``"spm"`` applies the model's own normaliser as sentencepiece and transformers 4
     do (:class:`_SpmNativeBackend`; what hub fine-tunes of deberta-v3 / mdeberta were trained with);
     ``"transformers5"`` reproduces transformers 5, which drops it (:class:`_SentencePieceBackend`). The
-    choice and its reason are logged at INFO. Raises ValueError for another value.
+    choice and its reason are logged at INFO (unless ``log_choice`` is false: a second load of the same
+    directory, e.g. the server's copy of a worker process's tokenizer). Raises ValueError for another value.
     """
     if spm_normalization not in SPM_NORMALIZATIONS:
         raise ValueError(f"spm_normalization {spm_normalization!r}: expected one of {list(SPM_NORMALIZATIONS)}")
@@ -1022,7 +1023,8 @@ def load_tokenizer(directory: str | os.PathLike, spm_normalization: str = "spm")
         lower, punct = bool(cfg.get("do_lower_case", False)), bool(cfg.get("split_by_punct", False))
         spm_backend = _SpmNativeBackend if spm_normalization == "spm" else _SentencePieceBackend
         backend = spm_backend(spm_path, lower, punct)
-        _log_spm_normalization(spm_path, spm_normalization, backend.model_normalizer, lower, punct)
+        if log_choice:
+            _log_spm_normalization(spm_path, spm_normalization, backend.model_normalizer, lower, punct)
         sp = backend.sp
         vocab_size = sp.get_piece_size()
 

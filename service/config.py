@@ -102,9 +102,10 @@ Example file::
                                           #   default, one per core)
         torch_unpadded: true              # torch backend, DeBERTa: batches with padding run the dense layers
                                           #   on the real tokens only (attention core padded); false: padded
-        worker_process: false             # encoder models: compute in a child process of the server (own
-                                          #   GIL: the event loop's refusals no longer slow the batches;
-                                          #   service/backends/worker.py); restarted if it dies
+        worker_process: true              # compute in a child process of the server (own GIL: the event
+                                          #   loop's refusals no longer slow the batches; service/backends/
+                                          #   worker.py), restarted if it dies; unset: true for encoder
+                                          #   models, false (in-process, the only choice) for translation
         onnx_graph_optimization: all      # disable | basic | extended | all
         onnx_parity_tolerance: 0.001      # graph vs torch on the warm-up batch at load: passes where
         onnx_parity_rtol: 0.0001          #   |diff| <= onnx_parity_tolerance + onnx_parity_rtol * |torch|;
@@ -232,7 +233,8 @@ class ModelConfig:
     onnx_parity_rtol: float = 1e-4
     torch_intra_op_threads: int = 0  # torch backends: intra-op threads of the model's thread (0: torch's default)
     torch_unpadded: bool = True  # torch backends, DeBERTa encoders: dense layers on real tokens (models/deberta.py)
-    worker_process: bool = False  # encoder models: the backend computes in a child process (backends/worker.py)
+    # the backend computes in a child process (backends/worker.py); None: encoder models yes, translation no
+    worker_process: bool | None = None
     spm_normalization: str = "spm"  # SPM_NORMALIZATIONS: spm.model-only tokenizers (models/tokenization.py)
     # translation (RNNsearch) models only
     scheduling: str = "iteration"
@@ -422,7 +424,7 @@ def check_dtype_for_device(model: str, dtype: str, device: str) -> None:
 
 
 def _coerce(where: str, key: str, value: Any, typ: type) -> Any:
-    if value is None and key in ("max_seq_len", "metrics_port", "onnx_cache_dir", *_NULLABLE_SERVER_KEYS):
+    if value is None and key in ("max_seq_len", "metrics_port", "onnx_cache_dir", "worker_process", *_NULLABLE_SERVER_KEYS):
         return None
     if typ is bool:
         if isinstance(value, bool):

@@ -12,6 +12,7 @@ ImportError from deep inside a backend.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 from pathlib import Path
@@ -73,29 +74,29 @@ def checkpoint_task(path: str | Path) -> str | None:
     return TASK_TRANSLATION if model_type in TRANSLATION_MODEL_TYPES else None
 
 
+# backend: the in-process encoder backend class, as (module under relserve.service.backends, class name)
+ENCODER_BACKENDS = {"onnx": ("onnx_encoder", "OnnxBackend"), "torch": ("torch_encoder", "TorchBackend")}
+
+
 def create_backend(config: ModelConfig) -> Backend:
-    """The encoder backend named by the model's config (imports its module, and so torch, only here); with
-    ``worker_process`` a :class:`.worker.WorkerBackend`, which builds that backend in a child process.
+    """The encoder backend named by the model's config (imports its module, and so torch, only here); unless
+    ``worker_process`` is false, a :class:`.worker.WorkerBackend`, which builds that backend in a child process
+    (the child is handed the class by name, :data:`ENCODER_BACKENDS`).
 
     Raises:
         ConfigError: unknown backend, or backend onnx without ONNX Runtime installed.
     """
     backend = resolved_backend(config)
+    if backend not in ENCODER_BACKENDS:
+        raise ConfigError(f"model {config.name!r}: backend {config.backend!r} is not available")
     if backend == "onnx":
         require_onnx(f"model {config.name!r}: backend onnx")
-    if config.worker_process:
+    module, cls = ENCODER_BACKENDS[backend]
+    if config.worker_process is not False:  # unset (None) or true: encoder models compute in a worker process
         from .worker import WorkerBackend
 
-        return WorkerBackend(config)
-    if backend == "onnx":
-        from .onnx_encoder import OnnxBackend
-
-        return OnnxBackend(config)
-    if backend == "torch":
-        from .torch_encoder import TorchBackend
-
-        return TorchBackend(config)
-    raise ConfigError(f"model {config.name!r}: backend {config.backend!r} is not available")
+        return WorkerBackend(config, f"{__name__}.{module}", cls)
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)(config)
 
 
 def create_translation_backend(config: ModelConfig) -> StepBackend:
@@ -110,7 +111,7 @@ def create_translation_backend(config: ModelConfig) -> StepBackend:
                           f"offered for translation checkpoints (their BiGRU encoder graph is one ONNX GRU node, "
                           f"which ONNX Runtime's dynamic quantization leaves in float32; int8 quantization and its "
                           f"agreement gate are implemented for the encoder graphs only); use dtype float32 or auto")
-    if config.worker_process:
+    if config.worker_process:  # spelled out true; unset means in-process here
         raise ConfigError(f"model {config.name!r}: worker_process is for encoder models (classification, QA); a "
                           f"translation model's decode loop calls its backend once per decoder step, in-process")
     backend = resolved_backend(config)

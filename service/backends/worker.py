@@ -93,6 +93,12 @@ def _resident_bytes() -> int:
         return 0
 
 
+def _without_tokenizer(meta: Any) -> Any:
+    """``meta`` without its tokenizer, which the parent loads itself (a SentencePiece tokenizer holds protobuf
+    objects of a module generated at run time, which pickle cannot import on the other side)."""
+    return dataclasses.replace(meta, tokenizer=None) if isinstance(meta, ModelMeta) else meta
+
+
 def _die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG); a no-op elsewhere."""
     try:
@@ -104,7 +110,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _child_main(conn: Any, config: ModelConfig, log_level: int, parent_pid: int) -> None:
+def _child_main(conn: Any, config: ModelConfig, module: str, cls: str, log_level: int, parent_pid: int) -> None:
     """The worker process: build and load the backend, then answer requests until the pipe closes.
 
     Requests are ``(op, *args)``; replies ``("ok", value, stats)`` or ``("error", exception, stats)``, where
@@ -115,7 +121,7 @@ def _child_main(conn: Any, config: ModelConfig, log_level: int, parent_pid: int)
         return
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [worker]: %(message)s")
-    from . import create_backend
+    import importlib
 
     backend: Any = None
 
@@ -137,11 +143,11 @@ def _child_main(conn: Any, config: ModelConfig, log_level: int, parent_pid: int)
         op, args = request[0], request[1:]
         try:
             if op == "load":
-                backend = create_backend(dataclasses.replace(config, worker_process=False))
-                meta = backend.load()
+                backend = getattr(importlib.import_module(module), cls)(dataclasses.replace(config, worker_process=False))
+                meta = _without_tokenizer(backend.load())
                 value: Any = (meta, bool(backend.is_padded), backend.max_batch_size, hasattr(backend, "probe_batch"))
             elif op == "warmup":
-                value = backend.warmup()
+                value = _without_tokenizer(backend.warmup())
             elif op == "run":
                 threads, items = args
                 compute.set_thread_share(threads)
@@ -172,8 +178,9 @@ class WorkerBackend:
     thread, one at a time, as for any backend.
 
     Args:
-        config: the model's entry (``worker_process`` true); the child builds ``create_backend(config)`` with
-            ``worker_process`` false, so ``backend`` (torch / onnx / auto) means what it means in-process.
+        config: the model's entry; the child builds ``cls`` of ``module`` (what ``create_backend`` would build
+            in-process for it) with ``worker_process`` false.
+        module, cls: that backend class by name (``backends.ENCODER_BACKENDS``).
 
     Raises (from ``load``): whatever the child's backend raised loading (ConfigError, OSError, ...), or
     :class:`Internal` if the child exited before answering.
@@ -182,11 +189,11 @@ class WorkerBackend:
     is_padded = True
     max_batch_size: int | None = None
 
-    def __init__(self, config: ModelConfig) -> None:
-        from . import resolved_backend
-
+    def __init__(self, config: ModelConfig, module: str, cls: str) -> None:
         self.config = config
-        self.name = resolved_backend(config)  # "torch" | "onnx" until load() reads the child's own
+        self._target = (module, cls)  # the in-process backend the child builds (backends.ENCODER_BACKENDS)
+        self.name = module.rsplit(".", 1)[-1].split("_")[0]  # "torch" | "onnx" until load() reads the child's own
+        self._tokenizer: Any = None  # loaded here once (the child's stays there)
         self.meta: ModelMeta | None = None
         self.resident_bytes = 0  # the child's RSS after its last answer
         self.cpu_seconds = 0.0  # the child's CPU seconds (user + system) after its last answer
@@ -209,7 +216,8 @@ class WorkerBackend:
         ctx = multiprocessing.get_context("spawn")  # never fork a process that runs grpc's threads
         parent_conn, child_conn = ctx.Pipe()
         process = ctx.Process(target=_child_main, name=f"relserve-worker-{self.config.name}", daemon=True,
-                              args=(child_conn, self.config, logging.getLogger().getEffectiveLevel(), os.getpid()))
+                              args=(child_conn, self.config, *self._target, logging.getLogger().getEffectiveLevel(),
+                                    os.getpid()))
         process.start()
         child_conn.close()  # ours closed, so the child's exit is an EOF here
         self._process, self._conn = process, parent_conn
@@ -264,7 +272,17 @@ class WorkerBackend:
         meta, is_padded, max_batch_size, has_probe = self._call("load", timeout=START_TIMEOUT_S)
         self.is_padded, self.max_batch_size, self._has_probe = is_padded, max_batch_size, has_probe
         self.name = meta.backend
-        return meta
+        return self._with_tokenizer(meta)
+
+    def _with_tokenizer(self, meta: ModelMeta) -> ModelMeta:
+        """``meta`` with the tokenizer loaded in this process from the checkpoint directory, as the child's
+        backend loaded its own (``tokenization.load_tokenizer``, the same ``spm_normalization``)."""
+        if self._tokenizer is None:
+            from relserve.models.tokenization import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.config.path, spm_normalization=self.config.spm_normalization,
+                                             log_choice=False)  # the child logged it
+        return dataclasses.replace(meta, tokenizer=self._tokenizer)
 
     # -------------------------------------------------------------- contract
 
@@ -276,7 +294,7 @@ class WorkerBackend:
         warmed = self._call("warmup", timeout=START_TIMEOUT_S)
         self._warmed = True
         if isinstance(warmed, ModelMeta):
-            self.meta = warmed
+            self.meta = warmed = self._with_tokenizer(warmed)
         return warmed
 
     @property

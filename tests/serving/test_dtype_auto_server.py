@@ -157,7 +157,7 @@ def test_without_warmup_or_gate_text_auto_stays_float32(served):
 def test_auto_without_native_bfloat16_is_float32_and_says_so(tmp_path, monkeypatch, unigram_tokenizer_dir):
     d, _ = _confident(tmp_path, unigram_tokenizer_dir)
     monkeypatch.setenv(CPU_BF16_ENV, "off")  # as on a CPU without AVX512-BF16 / AMX-BF16, whatever this one has
-    r = build_runner(ModelConfig(name="m", path=d, device="cpu", max_seq_len=64))
+    r = build_runner(ModelConfig(name="m", path=d, device="cpu", max_seq_len=64, worker_process=False))  # reads .model
     r.load()
     assert (r.meta.dtype, r.info().dtype) == ("float32", "float32")
     assert r.info().dtype_reason == f"dtype: auto -> float32: {CPU_BF16_ENV}=off (CPU bfloat16 support switched off)"

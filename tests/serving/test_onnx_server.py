@@ -138,8 +138,13 @@ def test_graph_of_other_weights_is_refused(srv, checkpoints, cache_dir, tmp_path
 def test_backend_auto_and_dtype(checkpoints):
     """backend=auto picks ONNX Runtime for float32 and torch for half precision; the ONNX backend refuses a half
     dtype at load (the config check is in tests/unit/test_config.py)."""
-    assert isinstance(create_backend(ModelConfig(name="m", path=checkpoints["cls"], backend="auto")), OnnxBackend)
-    assert create_backend(ModelConfig(name="m", path=checkpoints["cls"], backend="auto", dtype="float16")).name == "torch"
+    inproc = dict(worker_process=False)
+    assert isinstance(create_backend(ModelConfig(name="m", path=checkpoints["cls"], backend="auto", **inproc)),
+                      OnnxBackend)
+    assert create_backend(ModelConfig(name="m", path=checkpoints["cls"], backend="auto", dtype="float16",
+                                      **inproc)).name == "torch"
+    # the default: the same choice, computed in a worker process
+    assert create_backend(ModelConfig(name="m", path=checkpoints["cls"], backend="auto")).name == "onnx"
     be = OnnxBackend(ModelConfig(name="m", path=checkpoints["cls"], backend="onnx", device="cpu", dtype="bfloat16"))
     with pytest.raises(ConfigError, match="float32 graphs only"):
         be.load()
