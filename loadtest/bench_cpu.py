@@ -32,8 +32,10 @@ Server vs offline ideal: ``relserve serve`` in a child process (:class:`.serverp
 new defaults (``dtype: auto``, unpadded, cost-model batches), 32 closed-loop clients on the sentence workload;
 the offline ideal is the same backend (``TorchBackend``, the dtype the server reports, unpadded) on sorted batches
 of ``--batch``, tokenization included, no gRPC; today's behaviour (the issue's "fp32, padded, one batch") is the
-same server with ``dtype: float32, cost_batching: false, torch_unpadded: false, max_batch_time_ms: 0`` (without
-the last key, issue 10's 20 ms cap would still cut each formed batch into pieces). Padding efficiency: the server's
+same server with ``dtype: float32, cost_batching: false, torch_unpadded: false, max_batch_time_ms: 0,
+worker_process: false`` (without ``max_batch_time_ms``, issue 10's 20 ms cap would still cut each formed batch
+into pieces; the model computed in the server's process then). ``fp32 new`` is the new defaults with ``dtype:
+float32`` (the worker process included). Padding efficiency: the server's
 ``relserve_batch_padding_efficiency`` (mean per backend call over the run) and the offline batches' real /
 padded tokens. Tokenization time per request (``relserve_tokenization_duration_seconds``, which holds the GIL
 for most of it) is printed next to the mean request time, and, where py-spy is installed, the GIL hold per
@@ -335,7 +337,7 @@ def bench_server(checkpoint: Path, tok, texts: list[str], args: argparse.Namespa
         f"warm-up requests):")
     out["new"] = serve_and_load(checkpoint, base, "classify", ns, data=data, start_timeout=900, gil=args.gil)
     out["today"] = serve_and_load(checkpoint, base + ",dtype=float32,cost_batching=false,torch_unpadded=false,"
-                                  "max_batch_time_ms=0",
+                                  "max_batch_time_ms=0,worker_process=false",
                                   "classify", ns, data=data, start_timeout=900, gil=args.gil)
     if out["new"]["dtype"] != "float32":
         out["new_fp32"] = serve_and_load(checkpoint, base + ",dtype=float32", "classify", ns, data=data,

@@ -225,3 +225,14 @@ def test_a_call_to_a_dead_worker_is_internal_naming_the_exit(checkpoints):
 def test_translation_models_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="worker_process is for encoder models"):
         create_translation_backend(ModelConfig(name="tr", path=tmp_path, device="cpu", worker_process=True))
+
+
+def test_unset_means_a_worker_for_encoder_models_only(checkpoints, tmp_path):
+    assert isinstance(create_backend(ModelConfig(name="m", path=checkpoints["cls"], device="cpu")), WorkerBackend)
+    assert not isinstance(create_backend(ModelConfig(name="m", path=checkpoints["cls"], device="cpu",
+                                                     worker_process=False)), WorkerBackend)
+    # translation: unset is in-process (no error); only an explicit true is refused (test above)
+    from relserve.service.backends.torch_translation import TorchTranslationBackend
+
+    assert isinstance(create_translation_backend(ModelConfig(name="tr", path=tmp_path, device="cpu")),
+                      TorchTranslationBackend)

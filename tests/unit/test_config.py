@@ -519,3 +519,17 @@ def test_yaml_boolean_is_refused_for_float_server_key(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(cfg_file)
     assert "keepalive_time must be a number, got true" in str(err.value)
+
+
+def test_worker_process_key_is_unset_true_or_false(tmp_path):
+    def models(extra: str):
+        return load_config(model_specs=[f"m={tmp_path}{extra}"], defaults_dir=tmp_path / "none").models
+
+    assert models("")[0].worker_process is None  # unset: encoder models in a worker, translation in-process
+    assert models(",worker_process=true")[0].worker_process is True
+    assert models(",worker_process=false")[0].worker_process is False
+    with pytest.raises(ConfigError, match="worker_process must be true or false"):
+        models(",worker_process=sometimes")
+    (tmp_path / "c.yaml").write_text(f"models: [{{name: a, path: {tmp_path}, worker_process: null}},"
+                                     f" {{name: b, path: {tmp_path}, worker_process: false}}]\n")
+    assert [m.worker_process for m in load_config(tmp_path / "c.yaml").models] == [None, False]
