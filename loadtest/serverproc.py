@@ -35,8 +35,9 @@ class ServerProcess:
     """
 
     def __init__(self, args: Sequence[str], *, env: dict[str, str] | None = None, start_timeout: float = 120.0,
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable, new_session: bool = False) -> None:
         self.args = list(args)
+        self.new_session = new_session  # its own process group, as a service manager starts it (killpg reaches all)
         self.env = {**os.environ, **(env or {})}
         self.start_timeout = start_timeout
         self.python = python
@@ -68,7 +69,8 @@ class ServerProcess:
                 "--metrics-port", "0", *self.args, "--log-level", "INFO"]  # ports are read from INFO lines
 
     def start(self) -> "ServerProcess":
-        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=self.new_session)
         end = time.monotonic() + self.start_timeout
         while time.monotonic() < end:
             text = self.log_text()

@@ -249,11 +249,25 @@ class InferenceServer:
             info = runner.info()
             log.info("model %r: ready (%s, %s, %s on %s, max_seq_len %d, max_batch_size %d)", info.name,
                      info.task, info.family, info.dtype, info.device, info.max_seq_len, info.max_batch_size)
+        await asyncio.to_thread(self._trim_heaps)
         if self.registry.draining:
             return
         for service in HEALTH_SERVICES:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving on %s:%d (models: %s)", self.config.host, self.port, ", ".join(self.registry.names()))
+
+    def _trim_heaps(self) -> None:
+        """Return what warm-up freed to the OS, here and in each worker process (service/backends/heap.py)."""
+        from .backends.heap import trim_heap
+
+        trim_heap()
+        for runner in self.runners:
+            trim = getattr(runner.backend, "trim_heap", None)
+            if trim is not None:
+                try:
+                    trim()
+                except Exception as exc:  # memory not returned is no reason to stay NOT_SERVING
+                    log.warning("model %r: trimming the worker's heap failed: %s", runner.name, exc)
 
     async def drain(self, grace: float) -> bool:
         """Steps 1-3 of the drain (see service/drain.py): new Inference calls get UNAVAILABLE and health turns

@@ -18,8 +18,8 @@ logits).
 
 Lifecycle: :meth:`WorkerBackend.load` starts the child, which builds the backend the config names
 (``create_backend`` with ``worker_process`` off) and loads it; ``warmup`` runs in the child (the bf16
-agreement gate included). The child ignores SIGINT (a terminal's Ctrl-C reaches the whole process group:
-the parent drains, then ends the child) and dies with the parent (``PR_SET_PDEATHSIG`` on Linux; a pipe EOF
+agreement gate included). The child ignores SIGINT and SIGTERM (a terminal's Ctrl-C and a service manager's
+stop reach the whole process group: the parent drains, then ends the child) and dies with the parent (``PR_SET_PDEATHSIG`` on Linux; a pipe EOF
 elsewhere). If the child dies during a batch (killed by the OOM killer, a crash in native code), that
 batch's items fail with INTERNAL naming the exit status, and the next batch starts a new child (load and
 warm-up again) first: one crash fails only the batch it happened in.
@@ -44,11 +44,12 @@ from .. import compute
 from ..config import ModelConfig
 from ..errors import Internal
 from .base import ModelMeta
+from .heap import trim_heap
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # load + warm-up of a large checkpoint (the bf16 gate included) in the child
-STOP_TIMEOUT_S = 2.0  # SIGTERM to SIGKILL when the child is ended
+STOP_TIMEOUT_S = 2.0  # a close request's answer, then SIGKILL, when the child is ended
 
 
 class WireItem:
@@ -119,7 +120,10 @@ def _child_main(conn: Any, config: ModelConfig, module: str, cls: str, log_level
     _die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before the prctl took effect
         return
+    # Ctrl-C in a terminal and `kill -TERM -<pgid>` (systemd's control-group stop) signal the whole process
+    # group: the server drains, finishing the batches running here, then ends this process itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [worker]: %(message)s")
     import importlib
 
@@ -152,6 +156,8 @@ def _child_main(conn: Any, config: ModelConfig, module: str, cls: str, log_level
                 threads, items = args
                 compute.set_thread_share(threads)
                 value = [r if not isinstance(r, BaseException) else _picklable(r) for r in backend.run(items)]
+            elif op == "trim":
+                value = trim_heap()
             elif op == "probe_batch":
                 value = to_wire(backend.probe_batch(args[0]))
             elif op == "close":
@@ -223,8 +229,8 @@ class WorkerBackend:
         self._process, self._conn = process, parent_conn
         log.info("model %r: worker process %d started", self.config.name, process.pid)
 
-    def _exit_description(self) -> str:
-        process = self._process
+    def _exit_description(self, process: Any = None) -> str:
+        process = process or self._process
         if process is None:
             return "is not running"
         process.join(0.5)
@@ -327,6 +333,8 @@ class WorkerBackend:
         try:
             with open(f"/proc/{process.pid}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()  # after "(comm)": state is field 3 of stat(5)
+            if fields[0] == b"Z":  # exited, not yet reaped (the next batch restarts it): no worker now
+                return None
             with open(f"/proc/{process.pid}/statm", "rb") as f:
                 pages = int(f.read().split()[1])
         except (OSError, ValueError, IndexError):
@@ -334,24 +342,40 @@ class WorkerBackend:
         ticks = os.sysconf("SC_CLK_TCK")
         return (int(fields[11]) + int(fields[12])) / ticks, pages * os.sysconf("SC_PAGE_SIZE")
 
+    def trim_heap(self) -> bool:
+        """:func:`.heap.trim_heap` in the worker process (the server calls it once its models are loaded)."""
+        return bool(self._call("trim", timeout=START_TIMEOUT_S))
+
     def memory_stats(self) -> dict[str, tuple[int, int, int]]:
         """The child's accelerator memory as of its last answer (the event loop asks; the pipe is not used)."""
         return dict(self._memory)
 
     def close(self) -> None:
-        """End the child: SIGTERM, then SIGKILL after :data:`STOP_TIMEOUT_S`. A batch still running in it fails
-        (its requests were already answered UNAVAILABLE by the scheduler's close)."""
+        """End the child: asked to close when no batch is running (it answers within :data:`STOP_TIMEOUT_S`),
+        else, or if it does not, SIGKILL (it ignores SIGTERM; it holds nothing that outlives it). A batch still
+        running in it fails (its requests were already answered UNAVAILABLE by the scheduler's close). No new
+        child is started after this."""
         self._closed = True
         process = self._process
         if process is None:
             return
+        if self._lock.acquire(blocking=False):  # idle: a clean close
+            try:
+                if self._conn is not None and process.is_alive():
+                    try:
+                        self._conn.send(("close",))
+                        if self._conn.poll(STOP_TIMEOUT_S):
+                            self._conn.recv()
+                    except (EOFError, OSError):
+                        pass
+                    process.join(STOP_TIMEOUT_S)
+            finally:
+                self._lock.release()
         if process.is_alive():
-            process.terminate()
+            process.kill()
             process.join(STOP_TIMEOUT_S)
-            if process.is_alive():
-                process.kill()
-                process.join(STOP_TIMEOUT_S)
-        log.info("model %r: worker process %d ended (%s)", self.config.name, process.pid, self._exit_description())
+        log.info("model %r: worker process %d ended (%s)", self.config.name, process.pid,
+                 self._exit_description(process))
         if self._lock.acquire(blocking=False):
             try:
                 self._forget()

@@ -236,3 +236,38 @@ def test_unset_means_a_worker_for_encoder_models_only(checkpoints, tmp_path):
 
     assert isinstance(create_translation_backend(ModelConfig(name="tr", path=tmp_path, device="cpu")),
                       TorchTranslationBackend)
+
+
+def test_sigterm_to_the_process_group_drains_without_killing_the_worker(checkpoints):
+    """systemd's control-group stop and ``kill -TERM -<pgid>`` signal the worker too: it must ignore that (the
+    server drains and ends it), so the running batch finishes and no worker is restarted during the drain."""
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
+    from relserve.loadtest.serverproc import ServerProcess
+    from relserve.service._proto import inference_pb2_grpc as pb_grpc
+
+    spec = f"qa={checkpoints['qa']},device=cpu,dtype=float32,max_seq_len=64,doc_stride=16,max_batch_size=2"
+    with ServerProcess(["--model", spec, "--drain-timeout", "20"], new_session=True, start_timeout=150) as srv:
+        child = int(re.search(r"worker process (\d+) started", srv.log_text()).group(1))
+        with grpc.insecure_channel(srv.target) as ch, ThreadPoolExecutor(8) as pool:
+            stub = pb_grpc.InferenceStub(ch)
+            calls = [pool.submit(stub.Answer, pb.AnswerRequest(model="qa", question="Who is Tom?", context=CONTEXT * 3),
+                                 timeout=60) for _ in range(8)]
+            time.sleep(0.3)
+            os.killpg(os.getpgid(srv.pid), signal.SIGTERM)
+            answers = [c.result() for c in calls]  # every call answered: none failed with the worker
+            code = srv.wait(30)
+        log = srv.log_text()
+    assert code == 0, log[-3000:]
+    assert all(a.answers for a in answers)
+    assert "restarting its worker process" not in log and "killed by SIGTERM" not in log, log[-3000:]
+    assert _wait_gone(child, 5.0)
+
+
+def test_the_worker_returns_freed_heap_and_keeps_serving(srv):
+    """The server trims every heap once its models are loaded (service/backends/heap.py); asked again, the worker
+    answers (glibc: whether memory went back) and serves as before."""
+    backend = _worker(srv, "cls-worker")
+    assert isinstance(backend.trim_heap(), bool)
+    _assert_same_classify(_classify(srv, "cls-inproc"), _classify(srv, "cls-worker"))
