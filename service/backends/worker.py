@@ -62,9 +62,6 @@ class WireItem:
         self.input_ids = input_ids
         self.token_type_ids = token_type_ids
 
-    def __reduce__(self):
-        return (WireItem, (self.input_ids, self.token_type_ids))
-
 
 def to_wire(batch: Sequence[Any]) -> list[WireItem]:
     """``batch`` (Encodings, QA windows, anything with ``input_ids`` and optional ``token_type_ids``) as
@@ -85,13 +82,14 @@ def _picklable(exc: BaseException) -> BaseException:
         return Internal(f"{type(exc).__name__}: {exc}")
 
 
-def _resident_bytes() -> int:
-    """This process's resident set size in bytes (Linux /proc; 0 where there is none)."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
+def _resident_bytes(pid: str = "self") -> int:
+    """Resident set size in bytes of process ``pid`` (Linux /proc statm).
+
+    Raises:
+        OSError, ValueError, IndexError: no such process, or no /proc.
+    """
+    with open(f"/proc/{pid}/statm", "rb") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _without_tokenizer(meta: Any) -> Any:
@@ -137,7 +135,11 @@ def _child_main(conn: Any, config: ModelConfig, module: str, cls: str, log_level
             except Exception:  # a stats failure must not fail the batch it rides on
                 memory = {}
         times = os.times()
-        return {"rss": _resident_bytes(), "cpu": times.user + times.system, "memory": memory}
+        try:
+            rss = _resident_bytes()
+        except (OSError, ValueError, IndexError):
+            rss = 0
+        return {"rss": rss, "cpu": times.user + times.system, "memory": memory}
 
     while True:
         try:
@@ -335,12 +337,10 @@ class WorkerBackend:
                 fields = f.read().rsplit(b")", 1)[1].split()  # after "(comm)": state is field 3 of stat(5)
             if fields[0] == b"Z":  # exited, not yet reaped (the next batch restarts it): no worker now
                 return None
-            with open(f"/proc/{process.pid}/statm", "rb") as f:
-                pages = int(f.read().split()[1])
+            rss = _resident_bytes(str(process.pid))
         except (OSError, ValueError, IndexError):
             return self.cpu_seconds, self.resident_bytes
-        ticks = os.sysconf("SC_CLK_TCK")
-        return (int(fields[11]) + int(fields[12])) / ticks, pages * os.sysconf("SC_PAGE_SIZE")
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), rss
 
     def trim_heap(self) -> bool:
         """:func:`.heap.trim_heap` in the worker process (the server calls it once its models are loaded)."""
