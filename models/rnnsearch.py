@@ -263,21 +263,30 @@ class BiGRUEncoder(nn.Module):
         Pad steps keep the previous state, so the forward pass never sees them and the backward pass starts
         at the last real word with ←h = 0 (padding invariant for any padding pattern)."""
         B, S = src_ids.shape
+        n = self.hidden_size
         emb = self.dropout(self.embeddings(src_ids))  # Float[B,S,m]
+        # Both directions advance together as one batched recurrence over loop step t (forward reads position
+        # t, backward position S-1-t): the loop is bound by per-op overhead on CPU (short sources, small
+        # batches), and this issues 7 ops per step for both directions instead of ~17 per direction.
+        fwd, bwd = self.forward_gru, self.backward_gru
+        inputs = torch.stack([fwd.input_proj(emb), bwd.input_proj(emb).flip(1)])  # [2,B,S,3n]
+        inputs = inputs.transpose(1, 2).contiguous()  # [2,S,B,3n]: one slice per loop step
+        gates_in, cand_in = inputs[..., : 2 * n], inputs[..., 2 * n :]
+        real = src_mask.to(emb.dtype)  # pads keep the state: their update gate is forced to 0
+        keep = torch.stack([real, real.flip(1)]).transpose(1, 2).unsqueeze(-1)  # [2,S,B,1]
+        gate_w = torch.stack([fwd.state_gate_proj.weight.t(), bwd.state_gate_proj.weight.t()])  # [2,n,2n]
+        state_w = torch.stack([fwd.state_proj.weight.t(), bwd.state_proj.weight.t()])  # [2,n,n]
+        h = emb.new_zeros(2, B, n)
+        states = []
+        for t in range(S):
+            zr = torch.sigmoid(torch.baddbmm(gates_in[:, t], h, gate_w))  # [z_i; r_i]
+            candidate = torch.tanh(torch.baddbmm(cand_in[:, t], zr[..., n:] * h, state_w))  # tanh(W x + U[r∘h])
+            # (1-z) h + z h̃ with z = 0 at pads; under autocast the gates come back in the lower precision
+            h = torch.lerp(h, candidate.to(h.dtype), (zr[..., :n] * keep[:, t]).to(h.dtype))
+            states.append(h)
+        stacked = torch.stack(states, 2)  # [2,B,S,n]; direction 1 in reversed positions
+        annotations = torch.cat([stacked[0], stacked[1].flip(1)], dim=-1)
         mask = src_mask.bool().unsqueeze(-1)  # Bool[B,S,1]
-        fwd_in = self.forward_gru.input_proj(emb)  # Float[B,S,3n]
-        bwd_in = self.backward_gru.input_proj(emb)
-        h = emb.new_zeros(B, self.hidden_size)
-        forward_states = []
-        for j in range(S):
-            h = torch.where(mask[:, j], self.forward_gru(fwd_in[:, j], h), h)
-            forward_states.append(h)
-        h = emb.new_zeros(B, self.hidden_size)
-        backward_states = [None] * S
-        for j in reversed(range(S)):
-            h = torch.where(mask[:, j], self.backward_gru(bwd_in[:, j], h), h)
-            backward_states[j] = h
-        annotations = torch.cat([torch.stack(forward_states, 1), torch.stack(backward_states, 1)], dim=-1)
         return annotations.masked_fill(~mask, 0.0)  # Float[B,S,2n]
 
 

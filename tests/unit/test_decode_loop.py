@@ -411,6 +411,31 @@ def test_newcomers_held_while_decoding_share_one_encoder_call(hold):
         assert [(x.tokens, x.score) for x in h[0]] == [(x.tokens, x.score) for x in s[0]]
 
 
+def test_saturated_loop_refills_freed_places_in_one_encoder_call():
+    """More waiting than the budget holds: places freed one per step stay empty until REFILL_FRACTION of
+    the budget is free (or MAX_REFILL_HOLD_STEPS passed), so each refill is one encoder call over several
+    newcomers instead of one call per step; the last newcomers, who all fit, are admitted at once."""
+    from relserve.service import decode_loop
+
+    budget = 10
+    need = math.ceil(decode_loop.REFILL_FRACTION * budget)  # 3 places
+
+    async def main():
+        be = FakeStepBackend(delay=0.001)
+        loop = await _loop(be, max_active_hypotheses=budget, max_batch_size=64, encode_batch_delay=0.0)
+        # the first ten fill the budget and finish one per step (lengths 2..11); ten more wait behind them
+        out = await loop.run([(src(100 * (i + 1), 2 + i), P1) for i in range(2 * budget)])
+        await loop.close()
+        return be, loop, out
+
+    be, loop, out = run(main())
+    assert [r[0].tokens for r in out] == [[100 * (i + 1) + k for k in range(2 + i)] for i in range(2 * budget)]
+    assert be.starts[0] == list(range(budget))
+    refills = [len(s) for s in be.starts[1:]]
+    assert sum(refills) == budget and all(n >= need for n in refills[:-1]) and len(refills) <= budget // need + 1
+    assert loop.held_steps >= need - 1
+
+
 def test_held_newcomer_joins_after_the_delay_without_a_full_batch():
     async def main():
         be = FakeStepBackend(delay=0.002)
