@@ -374,6 +374,10 @@ def bench_server(checkpoint: Path, tok, texts: list[str], args: argparse.Namespa
                if tok_ms is not None and req_ms else "tokenization time n/a")
         log(f"  => {key}: {s['throughput_rps']:.1f} sentences/s, dtype {s['dtype']}, server padding efficiency "
             f"{_f(s.get('batch_padding_efficiency'))} per call (tokens: {_f(s.get('padding_efficiency'))}); {gil}")
+        cores = s.get("cpu_cores") or {}
+        log(f"     cores used: clients {_f(cores.get('clients'))}, server process {_f(cores.get('server'))}, "
+            f"worker processes {_f(cores.get('workers'))} (of {os.cpu_count()}); mean backend call "
+            f"{_f(s.get('mean_batch_size'))} texts in {_f(s.get('mean_inference_ms_per_batch'))} ms")
         if args.gil:
             log(f"     GIL: {gil_line(s.get('gil'))}")
     log(f"  => offline ideal {ideal['throughput_tps']:.1f} sentences/s, padding efficiency {real / padded:.3f}; "

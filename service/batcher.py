@@ -416,8 +416,10 @@ class Batcher:
         coef = self.batch_cost.coefficients() if self.cost_batching and self.batch_cost.fitted else None
         if coef is None:
             return self.cost_model.split(lengths, self.is_padded)
+        # max_batch_time_ms exists for the other models' sake: alone, the least predicted time is all that counts
+        max_time = self._lane.max_hold if self._lane.contended else 0.0
         return plan_batch(lengths, coef, is_padded=self.is_padded, max_batch_size=self.max_batch_size,
-                          max_batch_time=self._lane.max_hold, min_piece_tokens=self.cost_model.min_piece_tokens)
+                          max_batch_time=max_time, min_piece_tokens=self.cost_model.min_piece_tokens)
 
     async def _execute(self, formed: list[Unit]) -> None:
         """Run a formed batch as the sub-batches of :meth:`plan`, back to back, each a backend call of its

@@ -127,6 +127,13 @@ class ComputeScheduler:
             lane.running or now - lane.last_end < ACTIVE_WINDOW_S))
         return max(1, self.cores // max(1, active))
 
+    def others_active(self, lane: "Lane") -> bool:
+        """Whether a model other than ``lane``'s is active (a call running, or one ended within
+        :data:`ACTIVE_WINDOW_S`), in any mode."""
+        now = self.clock()
+        return any(x is not lane and not x.closed and (x.running or now - x.last_end < ACTIVE_WINDOW_S)
+                   for x in self._lanes)
+
     @property
     def holder(self) -> str | None:
         """Name of the model whose call holds the slot (None when free, and always unless ``fair``)."""
@@ -226,6 +233,13 @@ class Lane:
                 with sched._cond:
                     sched._release(self)
             self._last = CallTiming(self._wait, self._compute, started, self._yields)
+
+    @property
+    def contended(self) -> bool:
+        """Whether another model is active now (:meth:`ComputeScheduler.others_active`): only then does
+        ``max_hold`` bound the pieces a formed batch is cut into, since with the cores to itself a model's
+        pieces delay no one but its own queue, which waits for the whole formed batch anyway."""
+        return self.scheduler.others_active(self)
 
     def take_timing(self) -> CallTiming | None:
         """The timing of the last finished :meth:`run` (None if already taken or none ran). Read it on the

@@ -87,8 +87,8 @@ Example file::
         max_request_batch_share: 0.5      # one request's units per batch <= ceil(share x max_batch_size) while
                                           #   other requests wait (1.0: no cap); a long QA context cannot
                                           #   starve the short requests behind it
-        max_batch_time_ms: 20             # how long one backend call should hold the cores: batches run in
-                                          #   pieces expected to take <= this (cost fitted per padded token);
+        max_batch_time_ms: 20             # how long one backend call should hold the cores while another
+                                          #   model is active: batches run in pieces expected to take <= this;
                                           #   with compute_scheduling fair, torch backends also yield between
                                           #   encoder layers after it; 0: no cap (encoder models)
         backend: torch                    # torch | onnx (ONNX Runtime) | auto (onnx when onnxruntime is installed)

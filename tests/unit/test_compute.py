@@ -506,3 +506,34 @@ def test_torch_keeps_the_thread_count_per_calling_thread():
     for t in threads:
         t.join(GUARD)
     assert seen == {"one": 1, "three": 3}
+
+
+def test_batch_time_cap_cuts_formed_batches_only_while_another_model_is_active():
+    """max_batch_time_ms is for the other models' sake: a model alone runs the least-predicted-time plan
+    (here one call, since each call costs 1 ms more than its tokens), and pieces within the cap only while
+    another model ran within ACTIVE_WINDOW_S."""
+    from types import SimpleNamespace
+
+    from relserve.service.compute import ACTIVE_WINDOW_S, BatchCostModel, cost_features
+
+    clock = FakeClock()
+    sched = ComputeScheduler("partition", clock=clock, cores=2)
+    lane, other = sched.lane("m", max_hold=0.010), sched.lane("other")
+    cost = BatchCostModel()
+    for lengths in ([3], [3, 3], [2, 5, 4], [6, 6, 6, 6], [1, 2], [4] * 6, [5, 1, 1], [2] * 8):
+        real = cost_features(lengths)[1]
+        cost.observe(lengths, 1e-3 + 1e-3 * real, warmup=True)  # 1 ms per call, 1 ms per real token
+    b = Batcher("m", RecordingBackend(), max_queue_delay=0.0, compute=lane, is_padded=False, batch_cost=cost)
+    b.cost_model.min_piece_tokens = 0
+    formed = [SimpleNamespace(tokens=3) for _ in range(6)]  # 19 ms as one call
+    assert cost.fitted and not lane.contended
+    assert b.plan(formed) == [list(range(6))]
+    clock.t = 10.0
+    other.run(lambda _x: None, None)
+    clock.t += ACTIVE_WINDOW_S / 2
+    assert lane.contended
+    pieces = b.plan(formed)
+    assert sorted(i for p in pieces for i in p) == list(range(6)) and len(pieces) >= 2
+    assert all(len(p) <= 3 for p in pieces)  # 1 + 3 x 3 ms = the 10 ms cap
+    clock.t += ACTIVE_WINDOW_S
+    assert not lane.contended and b.plan(formed) == [list(range(6))]
