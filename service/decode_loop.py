@@ -407,7 +407,8 @@ class DecodeLoop:
         """Whether the newcomers wait one more step for company (see ``encode_batch_delay``): only while other
         sequences decode (an idle loop lingers with max_queue_delay instead), until the oldest newcomer
         has waited encode_batch_delay, and not once what waits fills an encoder batch (holding could only
-        add latency then). Counts the steps it holds for (``held_steps``)."""
+        add latency then); at saturation, also while :meth:`_refill_hold` says so. Counts the steps it holds
+        for (``held_steps``)."""
         if not (self._active and self._waiting):
             return False
         chosen, full = self._admissible()
