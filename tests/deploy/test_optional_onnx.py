@@ -93,6 +93,7 @@ def test_torch_model_serves_without_onnx_modules(no_onnx, checkpoint):
 def test_backend_onnx_without_onnx_runtime_names_the_extras(no_onnx, checkpoint):
     env, _ = no_onnx
     out = subprocess.run([sys.executable, "-m", "relserve.service.main", "serve", "--host", "127.0.0.1", "--port", "0",
+                          "--metrics-port", "0",  # a server already on the default 8002 must not decide the outcome
                           "--model", f"tiny={checkpoint},backend=onnx"], capture_output=True, text=True,
                          timeout=120, env={**os.environ, **env})
     assert out.returncode == 2, out.stderr[-3000:]
