@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .bench_translation import process_cpu_s
 from .cli import LoadSpec, run_load
 from .promscrape import scrape
 from .serverproc import ServerProcess
@@ -49,29 +50,19 @@ def resolve_classifier(path: str | None, tmp: Path) -> tuple[Path, str]:
     return make_checkpoint(tmp / "random-sentiment"), "random weights, default-model shape (hidden 128, 3 layers)"
 
 
-def _own_cpu_s() -> float:
-    """CPU seconds of this process (the load generator's clients), all threads."""
-    import resource
-
-    u = resource.getrusage(resource.RUSAGE_SELF)
-    return u.ru_utime + u.ru_stime
-
-
-def _cpu_snapshot(metrics_url: str | None):
-    return scrape(metrics_url) if metrics_url else None
-
-
 def _cores_used(before, after, client_s: float, wall_s: float) -> dict[str, float | None]:
-    """Mean cores used over a run, by who used them: the clients (this process), the server's process
-    (``process_cpu_seconds_total``: gRPC, tokenization, batching, and the model where it runs in-process) and
-    its worker processes (``relserve_worker_cpu_seconds_total``); on a machine the clients share, what the
-    model could not have had."""
+    """Mean cores used over a run, by who used them: the clients (this process), the server's process (gRPC,
+    tokenization, batching, and the model where it runs in-process) and its worker processes, from
+    :func:`.retrying.server_window`'s CPU figures; on a machine the clients share, what the model could not have
+    had."""
+    from .retrying import server_window
+
     out: dict[str, float | None] = {"clients": client_s / wall_s, "server": None, "workers": None}
-    if before is not None and after is not None and after.has("process_cpu_seconds_total"):
-        out["server"] = (after.get("process_cpu_seconds_total") - before.get("process_cpu_seconds_total")) / wall_s
-        if after.has("relserve_worker_cpu_seconds_total"):
-            out["workers"] = (after.get("relserve_worker_cpu_seconds_total")
-                              - before.get("relserve_worker_cpu_seconds_total")) / wall_s
+    if before is not None and after is not None:
+        w = server_window(before, after, "sentiment", wall_s)
+        if w["cpu_cores"] is not None:
+            out["workers"] = w["worker_cpu_cores"]
+            out["server"] = w["cpu_cores"] - (w["worker_cpu_cores"] or 0.0)
     return out
 
 
@@ -97,9 +88,10 @@ def serve_and_load(model_dir: Path, options: str, scenario: str, args: argparse.
             from . import gil as gil_mod
 
             sampler = gil_mod.GilSampler(srv.pid, args.duration) if gil_mod.available() else None
-        before, usage0, t0 = _cpu_snapshot(srv.metrics_url), _own_cpu_s(), time.monotonic()
+        snap = (lambda: scrape(srv.metrics_url)) if srv.metrics_url else (lambda: None)
+        before, usage0, t0 = snap(), process_cpu_s(), time.monotonic()
         res = asyncio.run(run_load(spec))
-        cores = _cores_used(before, _cpu_snapshot(srv.metrics_url), _own_cpu_s() - usage0, time.monotonic() - t0)
+        cores = _cores_used(before, snap(), process_cpu_s() - usage0, time.monotonic() - t0)
         gil_report = sampler.result() if sampler is not None else (
             {"error": ["py-spy is not installed (pip install py-spy)"]} if gil else None)
         dtypes = sorted(scrape(srv.metrics_url).label_values("relserve_model_info", "dtype")) if srv.metrics_url else []

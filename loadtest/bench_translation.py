@@ -202,8 +202,9 @@ async def _saturate(port: int, sentences: list[str], clients: int, duration: flo
             "output_tokens": out_tokens, "latencies": latencies}
 
 
-def _process_cpu_s() -> float:
-    """CPU seconds this process used so far (all threads: server, backend and the in-process clients)."""
+def process_cpu_s() -> float:
+    """CPU seconds this process used so far, all threads (here: server, backend and the in-process clients;
+    :mod:`.bench_serving`: its load generator)."""
     import resource
 
     u = resource.getrusage(resource.RUSAGE_SELF)
@@ -281,11 +282,11 @@ def run_capacity(model_dir: Path, sentences: list[str], args) -> dict:
             for rep in range(args.sat_repeats):
                 for mode in (modes if rep % 2 == 0 else modes[::-1]):
                     time.sleep(ACTIVE_WINDOW_S + 0.2)
-                    cpu0 = _process_cpu_s()
+                    cpu0 = process_cpu_s()
                     r = asyncio.run(_saturate(
                         servers[mode].port, sentences, args.clients, args.sat_duration, args.sat_warmup,
                         args.beam_size, n_best, args.seed + rep, args.timeout))
-                    r["cpu_s"] = _process_cpu_s() - cpu0
+                    r["cpu_s"] = process_cpu_s() - cpu0
                     slices[mode].append(r)
             for mode in modes:
                 r = _counted(servers[mode], before[mode], _merge_saturation(slices[mode]))
