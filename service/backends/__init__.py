@@ -93,6 +93,10 @@ def create_backend(config: ModelConfig) -> Backend:
         require_onnx(f"model {config.name!r}: backend onnx")
     module, cls = ENCODER_BACKENDS[backend]
     if config.worker_process is not False:  # unset (None) or true: encoder models compute in a worker process
+        if config.instances > 1:
+            from .worker_pool import WorkerPool
+
+            return WorkerPool(config, f"{__name__}.{module}", cls)
         from .worker import WorkerBackend
 
         return WorkerBackend(config, f"{__name__}.{module}", cls)
@@ -111,6 +115,10 @@ def create_translation_backend(config: ModelConfig) -> StepBackend:
                           f"offered for translation checkpoints (their BiGRU encoder graph is one ONNX GRU node, "
                           f"which ONNX Runtime's dynamic quantization leaves in float32; int8 quantization and its "
                           f"agreement gate are implemented for the encoder graphs only); use dtype float32 or auto")
+    if config.instances > 1:
+        raise ConfigError(f"model {config.name!r}: instances {config.instances} is for encoder models "
+                          f"(classification, QA); a translation model runs one decode loop in-process, whose "
+                          f"iteration-level batching already keeps the cores on one growing batch; use instances: 1")
     if config.worker_process:  # spelled out true; unset means in-process here
         raise ConfigError(f"model {config.name!r}: worker_process is for encoder models (classification, QA); a "
                           f"translation model's decode loop calls its backend once per decoder step, in-process")

@@ -313,7 +313,9 @@ class WorkerBackend:
             raise AttributeError("probe_batch")
         return lambda lengths: self._call("probe_batch", list(lengths))
 
-    def run(self, batch: Sequence[Any]) -> list[Any]:
+    def run(self, batch: Sequence[Any], threads: int | None = None) -> list[Any]:
+        """Compute ``batch`` in the child (restarted first if it died), with ``threads`` intra-op threads (None:
+        ``compute.thread_share()`` of the calling thread, as the scheduler gave this call)."""
         if self._closed:
             raise Internal(f"model {self.config.name!r}: closed")
         if self._conn is not None and not self._process.is_alive():  # died while idle: no batch lost
@@ -324,7 +326,7 @@ class WorkerBackend:
             self._load_in_child()
             if self._warmed:
                 self._call("warmup", timeout=START_TIMEOUT_S)
-        return self._call("run", compute.thread_share(), to_wire(batch))
+        return self._call("run", compute.thread_share() if threads is None else threads, to_wire(batch))
 
     def process_stats(self) -> tuple[float, int] | None:
         """``(cpu seconds, resident bytes)`` of the running worker process, read from /proc now (the

@@ -78,6 +78,11 @@ def test_targets_from_server_and_translation_ratios():
                                    "throughput_iteration_over_request/n_best=5": 1.4}},
     })
     assert [r["verdict"] for r in rows] == ["PASS", "MISS", "PASS", "PASS", "MISS"]
+    rows = bench_cpu.targets({"server": {"ratios": {"new_over_today": 2.7, "instances_over_today": 3.1,
+                                                    "instances_over_offline_ideal": 0.6}}})
+    assert [(r["target"].strip().split(" /")[0], r["verdict"]) for r in rows] == [
+        ("server new defaults", "MISS"), ("new defaults with instances > 1", "PASS"),
+        ("new defaults with instances > 1", "MISS")]
 
 
 def test_matmul_peaks_are_positive():
