@@ -15,8 +15,10 @@ Domain ``com.relserve`` version 1 holds three ops. Each op has
   RelativePositionBias, whose kernels beat the functions in the op-level benchmark
   (``python -m relserve.loadtest.bench_onnx_ops``, DeBERTa-v3-base shapes, CPU fp32, 2 threads, native:portable
   time 0.08 / 0.06 and 0.29 / 0.33 at 8x128 / 8x512). DisentangledAttentionBias has no kernel: the C++ one
-  measured 2.33 / 5.54 against the function (MatMul + GatherElements) and was removed, so that op always runs
-  its portable function. Both of the kept ops run once per forward on [Tq, Tk]; the saving is well under 1 ms
+  measured 2.33 / 5.54 against the function (then MatMul + GatherElements) and was removed, so that op always
+  runs its portable function. That function now gathers whole rows of B·n floats (see its body): 11.3 -> 8.2-8.8
+  ms at 8x128 and 184 -> 130-134 ms at 8x512 in the same benchmark (the gathers themselves 60-100 -> 9 ms at
+  8x512; what is left is mostly the two Transposes into and one out of that layout). Both of the kept ops run once per forward on [Tq, Tk]; the saving is well under 1 ms
   (8x128) to a few ms (8x512) per forward.
 
 Ops (shapes: B batch, n heads, d head size, Tq/Tk query/key length, R rows of a relative table):
@@ -337,19 +339,32 @@ def _disentangled_function(att_span: int, scale: float, c2p: bool, p2c: bool):
     idx = b.op("Min", b.op("Max", b.op("Add", "relative_pos", b.i64(att_span)), b.i64(0)), b.i64(2 * att_span - 1))
     idx = b.op("Sub", idx, offset)
     idx = b.op("Min", b.op("Max", idx, b.i64(0)), b.op("Sub", rows, b.i64([1])))  # [Tq, Tk]
+    # Both terms gather along the last axis with an index that depends on (i, j) only, the same for every batch
+    # row and head. With (batch, head) moved innermost, the scores become a table of [Tq·R] rows of B·n floats
+    # and each term is one Gather of whole rows by a [Tq·Tk] index: contiguous copies, instead of
+    # GatherElements with the index expanded to [B, n, Tq, Tk] (8x512, 12 heads: 200 MB of int64 per layer)
+    # and an element-by-element gather. The sum runs in that layout; one Transpose restores [B, n, Tq, Tk].
     lead = b.op("Shape", "query_layer", start=0, end=2)  # [B, n]
+    tq = b.op("Shape", idx, start=0, end=1)
+    tk = b.op("Shape", idx, start=1, end=2)
+    bn = b.op("ReduceProd", lead, keepdims=1)  # [1] = B·n
+    table_shape = b.op("Concat", b.i64([-1]), bn, axis=0)  # [X·R, B·n]
     bias = None
-    if c2p:
-        scores = b.op("MatMul", "query_layer", b.op("Transpose", "pos_key", perm=[0, 2, 1]))  # [B, n, Tq, R]
-        index = b.op("Expand", idx, b.op("Concat", lead, b.op("Shape", idx), axis=0))
-        bias = b.op("GatherElements", scores, index, axis=3)
-    if p2c:
-        scores = b.op("MatMul", "key_layer", b.op("Transpose", "pos_query", perm=[0, 2, 1]))  # [B, n, Tk, R]
-        idx_t = b.op("Transpose", idx, perm=[1, 0])  # [Tk, Tq]
-        index = b.op("Expand", idx_t, b.op("Concat", lead, b.op("Shape", idx_t), axis=0))
-        term = b.op("Transpose", b.op("GatherElements", scores, index, axis=3), perm=[0, 1, 3, 2])
+    for on, ref, states, base_len, base_axis in ((c2p, "pos_key", "query_layer", tq, 1),
+                                                  (p2c, "pos_query", "key_layer", tk, 0)):
+        if not on:
+            continue
+        # the scale goes on the [n, R, d] table, the smallest operand, instead of on the [B, n, Tq, Tk] sum
+        scaled = b.op("Mul", ref, b.op("CastLike", b.f32(scale), ref))
+        scores = b.op("MatMul", states, b.op("Transpose", scaled, perm=[0, 2, 1]))  # [B, n, X, R] (X = Tq or Tk)
+        table = b.op("Reshape", b.op("Transpose", scores, perm=[2, 3, 0, 1]), table_shape)  # [X·R, B·n]
+        base = b.op("Mul", b.op("Range", b.i64(0), _scalar(b, base_len), b.i64(1)), _scalar(b, rows))  # x·R
+        # c2p reads row i·R + idx[i, j], p2c row j·R + idx[i, j] (x = i down the rows, x = j across them)
+        at = b.op("Reshape", b.op("Add", b.op("Unsqueeze", base, b.i64([base_axis])), idx), b.i64([-1]))
+        term = b.op("Gather", table, at, axis=0)  # [Tq·Tk, B·n]
         bias = term if bias is None else b.op("Add", bias, term)
-    out = b.op("Mul", bias, b.op("CastLike", b.f32(scale), bias))
+    full = b.op("Concat", b.op("Shape", idx), lead, axis=0)  # [Tq, Tk, B, n]
+    out = b.op("Transpose", b.op("Reshape", bias, full), perm=[2, 3, 0, 1])  # [B, n, Tq, Tk]
     return _function("DisentangledAttentionBias",
                      ["query_layer", "key_layer", "pos_query", "pos_key", "relative_pos"], b, out, "bias",
                      ["att_span", "scale", "c2p", "p2c"])

@@ -37,8 +37,9 @@ REPORT_NAME = "export_report.json"
 # the kernels of models/onnx/native, where `make onnx-native` builds them
 NATIVE_LIBRARY = Path(__file__).resolve().parent / "native" / "build" / "librelserve_onnx_ops.so"
 # Layout of an export (graphs + report); part of the cache key: bump when it changes. 2: the report lists the
-# sha256 of every file the export wrote (REPORT_DIGESTS), which the server checks before loading a graph.
-EXPORT_VERSION = "2"
+# sha256 of every file the export wrote (REPORT_DIGESTS), which the server checks before loading a graph. 3: the
+# DisentangledAttentionBias function gathers whole rows (models/onnx/ops.py), so graphs exported before re-export.
+EXPORT_VERSION = "3"
 METADATA_CHECKPOINT = "relserve.checkpoint_sha256"  # graph metadata: the hash of the checkpoint it came from
 REPORT_DIGESTS = "file_sha256"  # export report: {file name: sha256 hex} of every file the export wrote
 
