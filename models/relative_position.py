@@ -125,6 +125,45 @@ def disentangled_attention_bias_reference(
     return bias * scale
 
 
+def disentangled_attention_bias_by_rows(
+    query_layer: Tensor,
+    key_layer: Tensor,
+    pos_query: Optional[Tensor],
+    pos_key: Optional[Tensor],
+    relative_pos: Tensor,
+    att_span: int,
+    scale: float,
+    c2p: bool,
+    p2c: bool,
+) -> Tensor:
+    """:func:`disentangled_attention_bias_reference`, bit for bit, with the gathers as one advanced-indexing
+    read per term: the scores flattened to [B, n, X·R] and read at ``i·R + idx[i, j]`` (c2p) or
+    ``j·R + idx[i, j]`` (p2c), a [Tq, Tk] index shared by every batch row and head, so p2c needs no transpose.
+    On CPU, 8 x 12 heads x 512 tokens, 2 threads: bfloat16 508-537 -> 146 ms (``torch.gather`` with an
+    expanded index is slow in bfloat16 there), float32 240-270 -> 240 ms; 8 x 128 within noise.
+    Float[B, n, Tq, Tk]."""
+    if not (c2p or p2c):
+        raise ValueError("disentangled_attention_bias: at least one of c2p, p2c must be set")
+    B, n, Tq, _ = query_layer.shape
+    Tk = key_layer.shape[2]
+    ref = pos_key if c2p else pos_query
+    if ref is None:
+        raise ValueError("disentangled_attention_bias: pos_key is required for c2p, pos_query for p2c")
+    R = ref.shape[1]
+    idx = _relative_index(relative_pos, att_span, R)  # [Tq, Tk]
+    bias = None
+    if c2p:
+        scores = torch.matmul(query_layer, pos_key.transpose(-1, -2)).reshape(B, n, Tq * R)
+        at = torch.arange(Tq, device=idx.device)[:, None] * R + idx
+        bias = scores[:, :, at]
+    if p2c:
+        scores = torch.matmul(key_layer, pos_query.transpose(-1, -2)).reshape(B, n, Tk * R)
+        at = torch.arange(Tk, device=idx.device)[None, :] * R + idx
+        term = scores[:, :, at]
+        bias = term if bias is None else bias + term
+    return bias * scale
+
+
 def t5_relative_position_bucket(
     relative_position: Tensor, bidirectional: bool = True, num_buckets: int = 32, max_distance: int = 128
 ) -> Tensor:
@@ -176,8 +215,11 @@ def _(query_length, key_length, bucket_size, max_position, device):
 @torch.library.custom_op(f"{TORCH_NAMESPACE}::disentangled_attention_bias", mutates_args=())
 def _disentangled_op(query_layer: Tensor, key_layer: Tensor, pos_query: Optional[Tensor], pos_key: Optional[Tensor],
                      relative_pos: Tensor, att_span: int, scale: float, c2p: bool, p2c: bool) -> Tensor:
-    return disentangled_attention_bias_reference(query_layer, key_layer, pos_query, pos_key, relative_pos,
-                                                 att_span, scale, c2p, p2c).contiguous()  # the fake's layout
+    # CPU: the same numbers by advanced indexing (torch.gather with an expanded index is 3.5x slower in bfloat16)
+    kernel = (disentangled_attention_bias_by_rows if query_layer.device.type == "cpu"
+              else disentangled_attention_bias_reference)
+    return kernel(query_layer, key_layer, pos_query, pos_key, relative_pos, att_span, scale, c2p,
+                  p2c).contiguous()  # the fake's layout
 
 
 @_disentangled_op.register_fake
