@@ -272,13 +272,19 @@ REJECTION_P99_TARGET_S = 0.010  # at the server, arrival to status
 def overload(args: argparse.Namespace, server_flags: tuple[str, ...] = (), texts_options: tuple[int, ...] = (1, 4),
              floor: bool = True) -> dict[str, Any]:
     """Capacity (``CAPACITY_CLIENTS`` closed-loop clients, default queue) against goodput when
-    ``OVERLOAD_CLIENTS`` clients retry after each RESOURCE_EXHAUSTED (``max_queue_size`` 8), with one and with
-    four texts per request; the retrying clients wait the server's ``grpc-retry-pushback-ms`` (or 50 ms without
-    one), and, for comparison, a fixed 50 ms. Clients run in ``--client-processes`` processes
-    (``loadtest/retrying.py``); the rejection time is read from the server's
-    ``relserve_rejection_duration_seconds`` histogram. Starts two servers (sentiment model only), each with
+    ``OVERLOAD_CLIENTS`` clients retry after each RESOURCE_EXHAUSTED (``max_queue_size`` 8 units, or with
+    ``--queue-requests N`` N requests' worth: N x texts per request), with one and with four texts per request;
+    the retrying clients wait the server's ``grpc-retry-pushback-ms`` (or 50 ms without one), and, for
+    comparison, a fixed 50 ms. Clients run in ``--client-processes`` processes (``loadtest/retrying.py``); the
+    rejection time is read from the server's ``relserve_rejection_duration_seconds`` histogram. Starts a
+    capacity server and one overloaded server per queue size (sentiment model only), each with
     ``server_flags`` added; ``texts_options``: the texts per request to run; ``floor``: also measure the call
-    floor and each run's goodput ceiling."""
+    floor and each run's goodput ceiling.
+
+    Why ``--queue-requests``: a queue of 8 units holds two 4-text requests, so the overloaded server's batches
+    take at most 8 texts while the capacity run (8 clients x 4 texts, default queue) forms larger ones; on
+    a CPU where small batches cost more per text (bfloat16: 84 texts/s at 4 per call against 136 at 8, one
+    thread, the default sentiment model) that difference, not the refusals, is then most of the gap."""
     from .retrying import ClientSpec, call_floor, run_clients
 
     duration, warmup = (6.0, 1.5) if args.quick else (args.overload_duration, 4.0)
@@ -290,33 +296,31 @@ def overload(args: argparse.Namespace, server_flags: tuple[str, ...] = (), texts
         return ClientSpec(target, "sentiment", clients=clients, duration=duration, warmup=warmup,
                           texts_per_request=texts, honour_pushback=honour, timeout=30.0)
 
-    out: dict[str, Any] = {"duration_s": duration, "queue_size": OVERLOAD_QUEUE_SIZE, "runs": {}}
+    # the overloaded server's max_queue_size per texts-per-request: OVERLOAD_QUEUE_SIZE units (the issue's
+    # repro), or --queue-requests requests' worth of units (the same number of requests for every size)
+    queue_requests = getattr(args, "queue_requests", None)
+    queue_sizes = {t: queue_requests * t if queue_requests else OVERLOAD_QUEUE_SIZE for t in texts_options}
+    out: dict[str, Any] = {"duration_s": duration, "queue_size": queue_sizes, "runs": {}}
     runs = out["runs"]
     with ServerProcess(["--model", model, "--drain-timeout", "2", *server_flags], env=env) as srv:
         for texts in texts_options:
             runs[f"capacity-{texts}"] = run_clients(spec(srv.target, CAPACITY_CLIENTS, texts),
                                                      processes=args.client_processes, metrics_url=srv.metrics_url)
             _print_overload_run(f"capacity-{texts}", runs[f"capacity-{texts}"])
-    with ServerProcess(["--model", f"{model},max_queue_size={OVERLOAD_QUEUE_SIZE}", "--drain-timeout", "2",
-                        *server_flags], env=env) as srv:
-        for texts in texts_options:
-            for honour in (True, False):
-                name = f"overload-{texts}-{'pushback' if honour else 'fixed50ms'}"
-                runs[name] = run_clients(spec(srv.target, OVERLOAD_CLIENTS, texts, honour),
-                                         processes=args.client_processes, metrics_url=srv.metrics_url)
-                capacity = runs[f"capacity-{texts}"]["goodput_rps"]
-                runs[name]["goodput_over_capacity"] = runs[name]["goodput_rps"] / capacity if capacity else None
-                # the same per CPU-second the server got: other jobs on a shared machine move both runs' cores
-                runs[name]["goodput_over_capacity_per_core"] = _per_core(runs[name], runs[f"capacity-{texts}"])
-                _print_overload_run(name, runs[name])
-        if not floor:
-            return out
-        # What the refusals cost at the least: a health Check that does nothing, on the same (now idle) server
-        floor = call_floor(srv.target, srv.metrics_url, duration=2.0 if args.quick else 5.0)
-    out["call_floor"] = floor
-    per_call_s = (floor["server_us_per_call"] + floor["client_us_per_call"]) / 1e6
-    print(f"{'grpc call floor':28s} a call that does nothing: server {floor['server_us_per_call']:.0f} us + client "
-          f"{floor['client_us_per_call']:.0f} us CPU ({floor['calls_per_s']:.0f} calls/s from 16 callers)", flush=True)
+    for size in sorted(set(queue_sizes.values())):
+        with ServerProcess(["--model", f"{model},max_queue_size={size}", "--drain-timeout", "2", *server_flags],
+                           env=env) as srv:
+            _overload_runs(args, srv, [t for t in texts_options if queue_sizes[t] == size], spec, runs)
+            if floor and size == max(queue_sizes.values()):
+                # What the refusals cost at the least: a health Check that does nothing, on the same (now idle) server
+                out["call_floor"] = call_floor(srv.target, srv.metrics_url, duration=2.0 if args.quick else 5.0)
+    if not floor:
+        return out
+    figures = out["call_floor"]
+    per_call_s = (figures["server_us_per_call"] + figures["client_us_per_call"]) / 1e6
+    print(f"{'grpc call floor':28s} a call that does nothing: server {figures['server_us_per_call']:.0f} us + client "
+          f"{figures['client_us_per_call']:.0f} us CPU ({figures['calls_per_s']:.0f} calls/s from 16 callers)",
+          flush=True)
     cores = multiprocessing.cpu_count()
     for name, r in runs.items():
         if name.startswith("overload-"):
@@ -328,6 +332,24 @@ def overload(args: argparse.Namespace, server_flags: tuple[str, ...] = (), texts
                   f"{r['refusal_floor_cores']:.2f} of {cores} cores; goodput / capacity can be at most {ceiling} "
                   f"(measured {r['goodput_over_capacity']:.2f})", flush=True)
     return out
+
+
+def _overload_runs(args: argparse.Namespace, srv: ServerProcess, texts_options: list[int], spec: Callable[..., Any],
+                   runs: dict[str, Any]) -> None:
+    """The retrying-client runs of :func:`overload` on one overloaded server: per texts-per-request, clients
+    that honour the pushback and clients that wait a fixed 50 ms; each against its ``capacity-<texts>`` run."""
+    from .retrying import run_clients
+
+    for texts in texts_options:
+        for honour in (True, False):
+            name = f"overload-{texts}-{'pushback' if honour else 'fixed50ms'}"
+            runs[name] = run_clients(spec(srv.target, OVERLOAD_CLIENTS, texts, honour),
+                                     processes=args.client_processes, metrics_url=srv.metrics_url)
+            capacity = runs[f"capacity-{texts}"]["goodput_rps"]
+            runs[name]["goodput_over_capacity"] = runs[name]["goodput_rps"] / capacity if capacity else None
+            # the same per CPU-second the server got: other jobs on a shared machine move both runs' cores
+            runs[name]["goodput_over_capacity_per_core"] = _per_core(runs[name], runs[f"capacity-{texts}"])
+            _print_overload_run(name, runs[name])
 
 
 def side_by_side(args: argparse.Namespace, variants: dict[str, tuple[tuple[str, ...], tuple[str, ...]]],
@@ -515,6 +537,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE",
                     help="per-model option added to every default model (repeatable), e.g. max_request_chars=8388608")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the server (default 1)")
+    ap.add_argument("--queue-requests", type=_positive_int, default=None, metavar="N",
+                    help="overload: the overloaded server's max_queue_size holds N requests (N x texts per request "
+                         f"units) instead of {OVERLOAD_QUEUE_SIZE} units whatever the request size")
     ap.add_argument("--switch-intervals", default="5000,10", metavar="US,US...", type=_intervals,
                     help="switch-interval: the --gil-switch-interval-us values to compare (default 5000,10: "
                          "Python's own, the server's default, and the value that helps encoders most)")

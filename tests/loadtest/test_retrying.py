@@ -84,3 +84,49 @@ def test_worker_process_scenario_runs_both_modes_with_the_model_option(monkeypat
     printed = capsys.readouterr().out
     assert "worker               4 text(s): fixed-50ms goodput / capacity = 0.90" in printed
     assert "in-process           1 text(s): fixed-50ms goodput / capacity = 0.30" in printed
+
+
+def _fake_run(spec, processes=4, metrics_url=None):
+    return {"clients": spec.clients, "texts_per_request": spec.texts_per_request, "goodput_rps": 10.0,
+            "rejections_per_s": 0.0, "rejected": 0, "other_errors": {}, "latency_s": {"p50": 0.1, "p99": 0.2},
+            "client_rejection_latency_s": {"p50": None, "p99": None}, "mean_attempts_per_ok": 1.0,
+            "pushback_s": {"p50": None, "max": None, "replies_with_trailer": 0},
+            "client_cpu_s": 1.0, "client_window_s": 2.0,
+            "server": {"cpu_cores": 1.0, "mean_batch_size": 4.0, "mean_batch_s": 0.05}}
+
+
+@pytest.mark.parametrize("queue_requests, want", [(None, {1: 8, 4: 8}), (8, {1: 8, 4: 32})])
+def test_overload_queue_holds_units_or_a_number_of_requests(monkeypatch, capsys, queue_requests, want):
+    """--queue-requests N: one overloaded server per queue size, max_queue_size N x texts per request; by default
+    8 units whatever the request size (the issue's repro)."""
+    import argparse
+
+    from relserve.loadtest import bench_hostile, retrying
+
+    started = []
+
+    class Server:
+        def __init__(self, argv, env=None):
+            started.append(argv[1])
+            self.target, self.metrics_url = "127.0.0.1:1", "http://127.0.0.1:2/metrics"
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+    monkeypatch.setattr(bench_hostile, "ServerProcess", Server)
+    monkeypatch.setattr(retrying, "run_clients", _fake_run)
+    monkeypatch.setattr(retrying, "call_floor", lambda *a, **k: {"server_us_per_call": 300.0,
+                                                                  "client_us_per_call": 200.0, "calls_per_s": 1.0})
+    args = argparse.Namespace(quick=True, overload_duration=1.0, threads=1, model_option=[], client_processes=1,
+                              queue_requests=queue_requests)
+    out = bench_hostile.overload(args)
+    assert out["queue_size"] == want
+    overloaded = [a for a in started if "max_queue_size" in a]
+    assert sorted(int(a.rsplit("max_queue_size=", 1)[1]) for a in overloaded) == sorted(set(want.values()))
+    assert set(out["runs"]) == {"capacity-1", "capacity-4", "overload-1-pushback", "overload-1-fixed50ms",
+                                "overload-4-pushback", "overload-4-fixed50ms"}
+    assert out["call_floor"]["server_us_per_call"] == 300.0
+    assert "can be at most" in capsys.readouterr().out
