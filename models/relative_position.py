@@ -139,8 +139,9 @@ def disentangled_attention_bias_by_rows(
     """:func:`disentangled_attention_bias_reference`, bit for bit, with the gathers as one advanced-indexing
     read per term: the scores flattened to [B, n, X·R] and read at ``i·R + idx[i, j]`` (c2p) or
     ``j·R + idx[i, j]`` (p2c), a [Tq, Tk] index shared by every batch row and head, so p2c needs no transpose.
-    On CPU, 8 x 12 heads x 512 tokens, 2 threads: bfloat16 508-537 -> 146 ms (``torch.gather`` with an
-    expanded index is slow in bfloat16 there), float32 240-270 -> 240 ms; 8 x 128 within noise.
+    The CPU kernel for bfloat16 beyond the exact bucket range (``torch.gather`` with an expanded index is slow in
+    bfloat16 there: 8 x 12 heads x 512 tokens, 2 threads, 508-537 -> 146 ms in one run, 323 -> 232 ms in
+    ``loadtest/bench_relpos.py`` on another machine); in float32 the gather is faster (269 against 299 ms).
     Float[B, n, Tq, Tk]."""
     if not (c2p or p2c):
         raise ValueError("disentangled_attention_bias: at least one of c2p, p2c must be set")
@@ -160,6 +161,69 @@ def disentangled_attention_bias_by_rows(
         scores = torch.matmul(key_layer, pos_query.transpose(-1, -2)).reshape(B, n, Tk * R)
         at = torch.arange(Tk, device=idx.device)[None, :] * R + idx
         term = scores[:, :, at]
+        bias = term if bias is None else bias + term
+    return bias * scale
+
+
+def _linear_offset(idx: Tensor) -> Optional[int]:
+    """``c`` when ``idx[i, j] == c + i - j`` everywhere (every distance in the exact, unclamped range), else None."""
+    Tq, Tk = idx.shape
+    c = int(idx[0, 0])
+    rows = torch.arange(Tq, device=idx.device)
+    cols = torch.arange(Tk, device=idx.device)
+    return c if torch.equal(idx, c + rows[:, None] - cols[None, :]) else None
+
+
+def disentangled_attention_bias_by_shift(
+    query_layer: Tensor,
+    key_layer: Tensor,
+    pos_query: Optional[Tensor],
+    pos_key: Optional[Tensor],
+    relative_pos: Tensor,
+    att_span: int,
+    scale: float,
+    c2p: bool,
+    p2c: bool,
+) -> Optional[Tensor]:
+    """:func:`disentangled_attention_bias_reference` without a gather, for the common case where the table
+    index is linear in the distance: ``idx[i, j] = c + i - j`` for the whole [Tq, Tk] block (no log bucket and
+    no clamp reached: with 256 position buckets every sequence of up to 128 tokens, i.e. most classification
+    traffic). Then each term is a strided view of its score matrix, the relative-attention "shift"
+    (Dai et al. 2019, Transformer-XL, appendix B):
+
+    * c2p reads ``S[i, c + i - j]`` of ``S = Qc · Krᵀ`` [B, n, Tq, R]; with the table's rows reversed
+      (``S'[i, r] = S[i, R-1-r]``, a flip of the small [n, R, d] ``pos_key``) that is ``S'[i, (R-1-c) - i + j]``:
+      row stride R - 1, column stride 1;
+    * p2c reads ``S2[j, c + i - j]`` of ``S2 = Kc · Qrᵀ`` [B, n, Tk, R]: i stride 1, j stride R - 1.
+
+    The same score values are added and scaled in the same order as the reference, so the result equals it
+    (bit for bit where the matmul does not depend on the column order of its right operand, as on this
+    project's CPUs; ``tests/unit/test_disentangled_by_rows.py``). Returns None when the index is not linear
+    (longer sequences with log buckets, clamped distances): the caller uses
+    :func:`disentangled_attention_bias_by_rows`. Float[B, n, Tq, Tk].
+
+    Raises:
+        ValueError: as the reference (neither term, or the projected table a term needs is missing).
+    """
+    if not (c2p or p2c):
+        raise ValueError("disentangled_attention_bias: at least one of c2p, p2c must be set")
+    B, n, Tq, _ = query_layer.shape
+    Tk = key_layer.shape[2]
+    ref = pos_key if c2p else pos_query
+    if ref is None:
+        raise ValueError("disentangled_attention_bias: pos_key is required for c2p, pos_query for p2c")
+    R = ref.shape[1]
+    c = _linear_offset(_relative_index(relative_pos, att_span, R))
+    if c is None:
+        return None
+    bias = None
+    if c2p:
+        flipped = torch.matmul(query_layer, pos_key.flip(-2).transpose(-1, -2)).contiguous()  # [B, n, Tq, R]
+        bias = flipped.as_strided((B, n, Tq, Tk), (n * Tq * R, Tq * R, R - 1, 1),
+                                  flipped.storage_offset() + R - 1 - c)
+    if p2c:
+        scores = torch.matmul(key_layer, pos_query.transpose(-1, -2)).contiguous()  # [B, n, Tk, R]
+        term = scores.as_strided((B, n, Tq, Tk), (n * Tk * R, Tk * R, 1, R - 1), scores.storage_offset() + c)
         bias = term if bias is None else bias + term
     return bias * scale
 
@@ -215,11 +279,18 @@ def _(query_length, key_length, bucket_size, max_position, device):
 @torch.library.custom_op(f"{TORCH_NAMESPACE}::disentangled_attention_bias", mutates_args=())
 def _disentangled_op(query_layer: Tensor, key_layer: Tensor, pos_query: Optional[Tensor], pos_key: Optional[Tensor],
                      relative_pos: Tensor, att_span: int, scale: float, c2p: bool, p2c: bool) -> Tensor:
-    # CPU: the same numbers by advanced indexing (torch.gather with an expanded index is 3.5x slower in bfloat16)
-    kernel = (disentangled_attention_bias_by_rows if query_layer.device.type == "cpu"
-              else disentangled_attention_bias_reference)
-    return kernel(query_layer, key_layer, pos_query, pos_key, relative_pos, att_span, scale, c2p,
-                  p2c).contiguous()  # the fake's layout
+    args = (query_layer, key_layer, pos_query, pos_key, relative_pos, att_span, scale, c2p, p2c)
+    if query_layer.device.type != "cpu":
+        return disentangled_attention_bias_reference(*args).contiguous()  # the fake's layout
+    # CPU, the same numbers each way (loadtest/bench_relpos.py times them): strided views where the index is
+    # linear in the distance; else, in bfloat16, advanced indexing (torch.gather with an expanded index is slow
+    # there: 8 x 512 tokens 323 -> 232 ms), while in float32 the gather is the faster of the two
+    bias = disentangled_attention_bias_by_shift(*args)
+    if bias is None:
+        kernel = (disentangled_attention_bias_reference if query_layer.dtype == torch.float32
+                  else disentangled_attention_bias_by_rows)
+        bias = kernel(*args)
+    return bias.contiguous()
 
 
 @_disentangled_op.register_fake

@@ -1,6 +1,7 @@
-"""models/relative_position.py: the CPU kernel of the disentangled-attention custom op (advanced indexing on the
-flattened scores) gives the reference's numbers bit for bit (float32 and bfloat16, c2p / p2c / both, whole table
-and centred window, Tq != Tk), and the op dispatches to it on CPU."""
+"""models/relative_position.py: the CPU kernels of the disentangled-attention custom op (strided views where the
+table index is linear in the distance, advanced indexing on the flattened scores otherwise) give the reference's
+numbers bit for bit (float32 and bfloat16, c2p / p2c / both, whole table and centred window, Tq != Tk), and the op
+dispatches to them on CPU."""
 
 from __future__ import annotations
 
@@ -45,3 +46,69 @@ def test_by_rows_refuses_what_the_reference_refuses():
         rp.disentangled_attention_bias_by_rows(q, q, None, None, rel, 8, 1.0, False, False)
     with pytest.raises(ValueError, match="pos_key is required"):
         rp.disentangled_attention_bias_by_rows(q, q, None, None, rel, 8, 1.0, True, False)
+
+
+def _case(seed: int, dtype, T: int | None = None):
+    g = torch.Generator().manual_seed(seed)
+    B, n, d = 1 + seed % 3, 1 + (seed * 5) % 4, 4 + seed % 13
+    Tq = T or int(torch.randint(1, 300, (1,), generator=g))
+    Tk = Tq if seed % 3 else int(torch.randint(1, 300, (1,), generator=g))
+    buckets, max_pos = [(256, 512), (32, 128), (-1, 64), (16, 40), (-1, 512)][seed % 5]
+    span = buckets if buckets > 0 else max_pos
+    c2p, p2c = [(True, True), (True, False), (False, True)][seed % 3]
+    R = 2 * span if seed % 4 == 1 else max(1, min(2 * span, 2 * max(Tq, Tk) - 1))
+    q = torch.randn(B, n, Tq, d, generator=g).to(dtype)
+    k = torch.randn(B, n, Tk, d, generator=g).to(dtype)
+    pq, pk = torch.randn(n, R, d, generator=g).to(dtype), torch.randn(n, R, d, generator=g).to(dtype)
+    rel = rp.log_bucket_relative_position_reference(Tq, Tk, buckets, max_pos)
+    return (q, k, pq if p2c else None, pk if c2p else None, rel, span, 1 / math.sqrt(d * 3), c2p, p2c), R
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_by_shift_is_the_reference_bit_for_bit_where_the_index_is_linear(dtype):
+    shifted = 0
+    for seed in range(60):
+        args, R = _case(seed, dtype)
+        idx = rp._relative_index(args[4], args[5], R)
+        Tq, Tk = idx.shape
+        linear = bool((idx == idx[0, 0] + torch.arange(Tq)[:, None] - torch.arange(Tk)[None, :]).all())
+        got = rp.disentangled_attention_bias_by_shift(*args)
+        assert (got is not None) == linear, seed  # None exactly where a bucket or a clamp bends the index
+        if got is None:
+            continue
+        shifted += 1
+        want = rp.disentangled_attention_bias_reference(*args)
+        assert got.shape == want.shape and got.dtype == dtype
+        assert torch.equal(got, want), seed
+    assert 15 <= shifted <= 55  # both kinds of case were drawn
+
+
+def test_the_op_takes_the_shift_for_short_sequences_and_the_rows_kernel_beyond(monkeypatch):
+    calls = []
+    by_rows, by_shift = rp.disentangled_attention_bias_by_rows, rp.disentangled_attention_bias_by_shift
+    monkeypatch.setattr(rp, "disentangled_attention_bias_by_rows", lambda *a: calls.append("rows") or by_rows(*a))
+    monkeypatch.setattr(rp, "disentangled_attention_bias_by_shift",
+                        lambda *a: calls.append("shift") or by_shift(*a))
+    with torch.inference_mode():
+        for T in (5, 128, 129, 300):
+            args, _ = _case(0, torch.float32, T=T)  # seed 0: 256 buckets, c2p and p2c, centred window
+            calls.clear()
+            out = rp.disentangled_attention_bias(*args[:5], att_span=args[5], scale=args[6], c2p=args[7], p2c=args[8])
+            assert torch.equal(out, rp.disentangled_attention_bias_reference(*args))
+            # up to 129 tokens every distance (<= 128) keeps its exact bucket: a strided view; beyond, float32
+            # takes the reference's gather (no rows call), bfloat16 the advanced indexing
+            assert calls == ["shift"], T
+            args, _ = _case(0, torch.bfloat16, T=T)
+            calls.clear()
+            out = rp.disentangled_attention_bias(*args[:5], att_span=args[5], scale=args[6], c2p=args[7], p2c=args[8])
+            assert torch.equal(out, rp.disentangled_attention_bias_reference(*args))
+            assert calls == (["shift"] if T <= 129 else ["shift", "rows"]), T
+
+
+def test_by_shift_refuses_what_the_reference_refuses():
+    q = torch.zeros(1, 1, 2, 2)
+    rel = rp.log_bucket_relative_position_reference(2, 2, -1, 8)
+    with pytest.raises(ValueError, match="at least one of c2p, p2c"):
+        rp.disentangled_attention_bias_by_shift(q, q, None, None, rel, 8, 1.0, False, False)
+    with pytest.raises(ValueError, match="pos_key is required"):
+        rp.disentangled_attention_bias_by_shift(q, q, None, None, rel, 8, 1.0, True, False)
