@@ -92,6 +92,22 @@ def _relative_index(relative_pos: Tensor, att_span: int, rows: int) -> Tensor:
     return torch.clamp(idx, 0, rows - 1)
 
 
+def _bias_shapes(query_layer: Tensor, key_layer: Tensor, pos_query: Optional[Tensor], pos_key: Optional[Tensor],
+                 c2p: bool, p2c: bool) -> tuple[int, int, int, int, int]:
+    """``(B, n, Tq, Tk, R)`` of a disentangled-attention bias call (R: rows of the projected table).
+
+    Raises:
+        ValueError: neither term is set, or the projected table a term needs is missing.
+    """
+    if not (c2p or p2c):
+        raise ValueError("disentangled_attention_bias: at least one of c2p, p2c must be set")
+    ref = pos_key if c2p else pos_query
+    if ref is None:
+        raise ValueError("disentangled_attention_bias: pos_key is required for c2p, pos_query for p2c")
+    B, n, Tq, _ = query_layer.shape
+    return B, n, Tq, key_layer.shape[2], ref.shape[1]
+
+
 def disentangled_attention_bias_reference(
     query_layer: Tensor,
     key_layer: Tensor,
@@ -104,14 +120,8 @@ def disentangled_attention_bias_reference(
     p2c: bool,
 ) -> Tensor:
     """c2p + p2cᵀ scores times ``scale``: Float[B, n, Tq, Tk] (see the module docstring)."""
-    if not (c2p or p2c):
-        raise ValueError("disentangled_attention_bias: at least one of c2p, p2c must be set")
-    B, n, Tq, _ = query_layer.shape
-    Tk = key_layer.shape[2]
-    ref = pos_key if c2p else pos_query
-    if ref is None:
-        raise ValueError("disentangled_attention_bias: pos_key is required for c2p, pos_query for p2c")
-    idx = _relative_index(relative_pos, att_span, ref.shape[1])  # [Tq, Tk]
+    B, n, Tq, Tk, R = _bias_shapes(query_layer, key_layer, pos_query, pos_key, c2p, p2c)
+    idx = _relative_index(relative_pos, att_span, R)  # [Tq, Tk]
     bias = None
     if c2p:
         # eq. (4) second term: Qc_i · Kr_{δ(i,j)}
@@ -143,14 +153,7 @@ def disentangled_attention_bias_by_rows(
     bfloat16 there: 8 x 12 heads x 512 tokens, 2 threads, 508-537 -> 146 ms in one run, 323 -> 232 ms in
     ``loadtest/bench_relpos.py`` on another machine); in float32 the gather is faster (269 against 299 ms).
     Float[B, n, Tq, Tk]."""
-    if not (c2p or p2c):
-        raise ValueError("disentangled_attention_bias: at least one of c2p, p2c must be set")
-    B, n, Tq, _ = query_layer.shape
-    Tk = key_layer.shape[2]
-    ref = pos_key if c2p else pos_query
-    if ref is None:
-        raise ValueError("disentangled_attention_bias: pos_key is required for c2p, pos_query for p2c")
-    R = ref.shape[1]
+    B, n, Tq, Tk, R = _bias_shapes(query_layer, key_layer, pos_query, pos_key, c2p, p2c)
     idx = _relative_index(relative_pos, att_span, R)  # [Tq, Tk]
     bias = None
     if c2p:
@@ -205,14 +208,7 @@ def disentangled_attention_bias_by_shift(
     Raises:
         ValueError: as the reference (neither term, or the projected table a term needs is missing).
     """
-    if not (c2p or p2c):
-        raise ValueError("disentangled_attention_bias: at least one of c2p, p2c must be set")
-    B, n, Tq, _ = query_layer.shape
-    Tk = key_layer.shape[2]
-    ref = pos_key if c2p else pos_query
-    if ref is None:
-        raise ValueError("disentangled_attention_bias: pos_key is required for c2p, pos_query for p2c")
-    R = ref.shape[1]
+    B, n, Tq, Tk, R = _bias_shapes(query_layer, key_layer, pos_query, pos_key, c2p, p2c)
     c = _linear_offset(_relative_index(relative_pos, att_span, R))
     if c is None:
         return None

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import urllib.request
 
 import numpy as np
@@ -17,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 from fixtures.deberta import make_deberta_checkpoint  # noqa: E402
 from fixtures.fake_serving import server_config  # noqa: E402
-from fixtures.server import Running  # noqa: E402
+from fixtures.server import Running, process_alive, wait_gone  # noqa: E402
 from relserve.service._proto import inference_pb2 as pb  # noqa: E402
 from relserve.service.backends import create_backend, create_translation_backend  # noqa: E402
 from relserve.service.backends.worker_pool import WorkerPool  # noqa: E402
@@ -26,23 +25,6 @@ from relserve.service.registry import build_runner  # noqa: E402
 
 CONTEXT = "Ann lives in Berlin and works as a baker. Her brother Tom lives in Paris. " * 6
 TEXTS = ["some text", "some longer text about Berlin", "word " * 150, "x", "Tom bakes bread in Paris", "y z"]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if not _alive(pid):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +94,7 @@ def test_every_call_is_divided_between_the_instances_and_answers_as_in_process(s
 def test_the_instances_are_child_processes_summed_in_the_metrics(srv):
     pool = _pool(srv, "cls-pool")
     pids = pool.pids
-    assert len(set(pids)) == 2 and os.getpid() not in pids and all(_alive(p) for p in pids)
+    assert len(set(pids)) == 2 and os.getpid() not in pids and all(process_alive(p) for p in pids)
     for pid in pids:
         with open(f"/proc/{pid}/stat") as f:
             assert int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid()  # ppid: the server's process
@@ -130,11 +112,11 @@ def test_an_instance_killed_while_idle_is_restarted_and_no_request_fails(srv):
     pool = _pool(srv, "cls-pool")
     old = pool.pids[1]
     os.kill(old, signal.SIGKILL)
-    assert _wait_gone(old)
+    assert wait_gone(old)
     a = srv.stub.Classify(pb.ClassifyRequest(model="cls-inproc", texts=TEXTS), timeout=120).results
     b = srv.stub.Classify(pb.ClassifyRequest(model="cls-pool", texts=TEXTS), timeout=120).results
     assert [[s.label for s in x.labels] for x in a] == [[s.label for s in y.labels] for y in b]
-    assert pool.pids[1] not in (None, old) and _alive(pool.pids[1]) and _alive(pool.pids[0])
+    assert pool.pids[1] not in (None, old) and process_alive(pool.pids[1]) and process_alive(pool.pids[0])
 
 
 def test_closing_the_model_ends_every_instance(checkpoints):
@@ -144,10 +126,10 @@ def test_closing_the_model_ends_every_instance(checkpoints):
     try:
         s.wait_serving(timeout=240)
         pids = runner.backend.pids
-        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        assert len(pids) == 2 and all(process_alive(p) for p in pids)
     finally:
         s.close()
-    assert all(_wait_gone(p, 5.0) for p in pids)
+    assert all(wait_gone(p, 5.0) for p in pids)
 
 
 def test_load_errors_of_an_instance_reach_the_parent_and_end_the_others(tmp_path):

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 
 from fixtures.deberta import make_deberta_checkpoint  # noqa: E402
 from fixtures.fake_serving import server_config  # noqa: E402
-from fixtures.server import Running  # noqa: E402
+from fixtures.server import Running, process_alive, wait_gone  # noqa: E402
 from relserve.service._proto import inference_pb2 as pb  # noqa: E402
 from relserve.service.backends import create_backend, create_translation_backend  # noqa: E402
 from relserve.service.backends.padding import WarmupEncoding  # noqa: E402
@@ -40,27 +40,6 @@ def checkpoints(unigram_tokenizer_dir, tmp_path_factory):
     return {name: make_deberta_checkpoint(root / name, task=task, tokenizer_dir=unigram_tokenizer_dir,
                                           labels=("a", "b", "c"), init="spread", seed=seed).path
             for name, task, seed in (("cls", "classification", 1), ("qa", "question-answering", 2))}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie (exited, not yet reaped) is gone for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if not _alive(pid):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +88,7 @@ def test_worker_answers_as_the_in_process_model(srv):
 def test_the_worker_is_a_child_process_and_its_cpu_and_memory_are_metrics(srv):
     backend = _worker(srv, "cls-worker")
     pid = backend.pid
-    assert pid not in (None, os.getpid()) and _alive(pid)
+    assert pid not in (None, os.getpid()) and process_alive(pid)
     with open(f"/proc/{pid}/stat") as f:
         assert int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid()  # ppid: the server's process
     _classify(srv, "cls-worker")
@@ -128,9 +107,9 @@ def test_a_worker_killed_while_idle_is_restarted_and_no_request_fails(srv):
     backend = _worker(srv, "cls-worker")
     old = backend.pid
     os.kill(old, signal.SIGKILL)
-    assert _wait_gone(old)
+    assert wait_gone(old)
     _assert_same_classify(_classify(srv, "cls-inproc"), _classify(srv, "cls-worker"))
-    assert backend.pid not in (None, old) and _alive(backend.pid)
+    assert backend.pid not in (None, old) and process_alive(backend.pid)
 
 
 def test_a_worker_that_dies_during_a_batch_fails_that_batch_only(srv):
@@ -161,10 +140,10 @@ def test_closing_the_model_ends_its_worker(checkpoints):
     try:
         s.wait_serving(timeout=150)
         pid = runner.backend.pid
-        assert _alive(pid)
+        assert process_alive(pid)
     finally:
         s.close()
-    assert _wait_gone(pid, 5.0)
+    assert wait_gone(pid, 5.0)
 
 
 def test_the_worker_dies_with_a_killed_parent(checkpoints, tmp_path):
@@ -187,11 +166,11 @@ def test_the_worker_dies_with_a_killed_parent(checkpoints, tmp_path):
             assert parent.poll() is None, "the parent exited before its worker loaded"
             time.sleep(0.1)
         child = int(pid_file.read_text())
-        assert _alive(child)
+        assert process_alive(child)
     finally:
         parent.kill()
         parent.wait(10)
-    assert _wait_gone(child, 10.0)
+    assert wait_gone(child, 10.0)
 
 
 def test_load_errors_of_the_child_reach_the_parent(tmp_path):
@@ -213,7 +192,7 @@ def test_a_call_to_a_dead_worker_is_internal_naming_the_exit(checkpoints):
     pid = be.pid
     try:
         os.kill(pid, signal.SIGKILL)
-        assert _wait_gone(pid)
+        assert wait_gone(pid)
         with pytest.raises(Internal, match=r"worker process was killed by SIGKILL during run"):
             be._call("run", 1, [WarmupEncoding([1, 5, 2])])  # past run()'s liveness check: the pipe's EOF
         out = be.run([WarmupEncoding([1, 5, 2])])  # run() starts a new child
@@ -262,7 +241,7 @@ def test_sigterm_to_the_process_group_drains_without_killing_the_worker(checkpoi
     assert code == 0, log[-3000:]
     assert all(a.answers for a in answers)
     assert "restarting its worker process" not in log and "killed by SIGTERM" not in log, log[-3000:]
-    assert _wait_gone(child, 5.0)
+    assert wait_gone(child, 5.0)
 
 
 def test_the_worker_returns_freed_heap_and_keeps_serving(srv):

@@ -39,13 +39,15 @@ def test_by_rows_is_the_reference_bit_for_bit(seed, dtype):
                                                           p2c=p2c), want)
 
 
-def test_by_rows_refuses_what_the_reference_refuses():
+@pytest.mark.parametrize("kernel", ["reference", "by_rows", "by_shift"])
+def test_every_kernel_refuses_the_same_calls(kernel):
+    fn = getattr(rp, f"disentangled_attention_bias_{kernel}")
     q = torch.zeros(1, 1, 2, 2)
     rel = rp.log_bucket_relative_position_reference(2, 2, -1, 8)
     with pytest.raises(ValueError, match="at least one of c2p, p2c"):
-        rp.disentangled_attention_bias_by_rows(q, q, None, None, rel, 8, 1.0, False, False)
+        fn(q, q, None, None, rel, 8, 1.0, False, False)
     with pytest.raises(ValueError, match="pos_key is required"):
-        rp.disentangled_attention_bias_by_rows(q, q, None, None, rel, 8, 1.0, True, False)
+        fn(q, q, None, None, rel, 8, 1.0, True, False)
 
 
 def _case(seed: int, dtype, T: int | None = None):
@@ -103,12 +105,3 @@ def test_the_op_takes_the_shift_for_short_sequences_and_the_rows_kernel_beyond(m
             out = rp.disentangled_attention_bias(*args[:5], att_span=args[5], scale=args[6], c2p=args[7], p2c=args[8])
             assert torch.equal(out, rp.disentangled_attention_bias_reference(*args))
             assert calls == (["shift"] if T <= 129 else ["shift", "rows"]), T
-
-
-def test_by_shift_refuses_what_the_reference_refuses():
-    q = torch.zeros(1, 1, 2, 2)
-    rel = rp.log_bucket_relative_position_reference(2, 2, -1, 8)
-    with pytest.raises(ValueError, match="at least one of c2p, p2c"):
-        rp.disentangled_attention_bias_by_shift(q, q, None, None, rel, 8, 1.0, False, False)
-    with pytest.raises(ValueError, match="pos_key is required"):
-        rp.disentangled_attention_bias_by_shift(q, q, None, None, rel, 8, 1.0, True, False)
