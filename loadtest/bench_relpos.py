@@ -9,7 +9,7 @@ eq. 4), side by side in one run:
 * ``by_rows``: advanced indexing on the flattened scores (the bfloat16 CPU kernel beyond the exact bucket range;
   float32 keeps the reference there);
 * ``by_shift``: strided views of the scores where the table index is linear in the distance (the CPU kernel up
-  to 129 tokens with 256 buckets; Transformer-XL's relative shift).
+  to 132 tokens with 256 buckets; Transformer-XL's relative shift).
 
 Shapes are those of DeBERTa-v3 (12 heads x 64, 256 position buckets, 512 max distance, the centred window of
 R = 2T - 1 table rows the encoder passes, c2p and p2c): ``BxT`` from ``--shapes`` (default 8x128, the issue's

@@ -169,7 +169,10 @@ def disentangled_attention_bias_by_rows(
 
 
 def _linear_offset(idx: Tensor) -> Optional[int]:
-    """``c`` when ``idx[i, j] == c + i - j`` everywhere (every distance in the exact, unclamped range), else None."""
+    """``c`` when ``idx`` is [Tq, Tk], not empty, and ``idx[i, j] == c + i - j`` everywhere (every distance in the
+    exact, unclamped range), else None."""
+    if idx.dim() != 2 or idx.numel() == 0:
+        return None
     Tq, Tk = idx.shape
     c = int(idx[0, 0])
     rows = torch.arange(Tq, device=idx.device)
@@ -190,8 +193,9 @@ def disentangled_attention_bias_by_shift(
 ) -> Optional[Tensor]:
     """:func:`disentangled_attention_bias_reference` without a gather, for the common case where the table
     index is linear in the distance: ``idx[i, j] = c + i - j`` for the whole [Tq, Tk] block (no log bucket and
-    no clamp reached: with 256 position buckets every sequence of up to 128 tokens, i.e. most classification
-    traffic). Then each term is a strided view of its score matrix, the relative-attention "shift"
+    no clamp reached: with 256 position buckets and 512 positions every sequence of up to 132 tokens, the first
+    distance whose bucket differs from it being 132; i.e. most classification traffic). Then each term is a
+    strided view of its score matrix, the relative-attention "shift"
     (Dai et al. 2019, Transformer-XL, appendix B):
 
     * c2p reads ``S[i, c + i - j]`` of ``S = Qc · Krᵀ`` [B, n, Tq, R]; with the table's rows reversed
@@ -199,11 +203,13 @@ def disentangled_attention_bias_by_shift(
       row stride R - 1, column stride 1;
     * p2c reads ``S2[j, c + i - j]`` of ``S2 = Kc · Qrᵀ`` [B, n, Tk, R]: i stride 1, j stride R - 1.
 
-    The same score values are added and scaled in the same order as the reference, so the result equals it
-    (bit for bit where the matmul does not depend on the column order of its right operand, as on this
-    project's CPUs; ``tests/unit/test_disentangled_by_rows.py``). Returns None when the index is not linear
-    (longer sequences with log buckets, clamped distances): the caller uses
-    :func:`disentangled_attention_bias_by_rows`. Float[B, n, Tq, Tk].
+    The score values are added and scaled in the same order as the reference. At the encoder's shapes and
+    layouts (self-attention, T >= 2, heads split by view and transpose) the result equals the reference bit
+    for bit (``tests/unit/test_disentangled_by_rows.py``; a fresh tester's 648 model-shaped cases). Where the
+    float32 matmul's rounding depends on the order of its right operand's columns (a single query row; a
+    query stored head-dim-major with a strided table) c2p differs by the last bits (up to 6e-7 seen). Returns
+    None when the index is not linear (longer sequences with log buckets, clamped distances), empty, or not
+    [Tq, Tk]: the caller falls back to a gather. Float[B, n, Tq, Tk].
 
     Raises:
         ValueError: as the reference (neither term, or the projected table a term needs is missing).

@@ -92,16 +92,39 @@ def test_the_op_takes_the_shift_for_short_sequences_and_the_rows_kernel_beyond(m
     monkeypatch.setattr(rp, "disentangled_attention_bias_by_shift",
                         lambda *a: calls.append("shift") or by_shift(*a))
     with torch.inference_mode():
-        for T in (5, 128, 129, 300):
+        for T in (5, 128, 132, 133, 300):
             args, _ = _case(0, torch.float32, T=T)  # seed 0: 256 buckets, c2p and p2c, centred window
             calls.clear()
             out = rp.disentangled_attention_bias(*args[:5], att_span=args[5], scale=args[6], c2p=args[7], p2c=args[8])
             assert torch.equal(out, rp.disentangled_attention_bias_reference(*args))
-            # up to 129 tokens every distance (<= 128) keeps its exact bucket: a strided view; beyond, float32
+            # up to 132 tokens every distance (<= 131) keeps a bucket equal to it: a strided view; beyond, float32
             # takes the reference's gather (no rows call), bfloat16 the advanced indexing
             assert calls == ["shift"], T
             args, _ = _case(0, torch.bfloat16, T=T)
             calls.clear()
             out = rp.disentangled_attention_bias(*args[:5], att_span=args[5], scale=args[6], c2p=args[7], p2c=args[8])
             assert torch.equal(out, rp.disentangled_attention_bias_reference(*args))
-            assert calls == (["shift"] if T <= 129 else ["shift", "rows"]), T
+            assert calls == (["shift"] if T <= 132 else ["shift", "rows"]), T
+
+
+def test_the_op_answers_empty_single_row_and_batched_index_inputs_as_the_reference():
+    """A fresh tester's cases: an empty sequence (the linear check read idx[0, 0] and raised), one query over
+    many keys (the flipped table changes the float32 matmul's rounding: equal within the last bits, not bit for
+    bit), and a [1, T, T] relative position (not [Tq, Tk]: the strided views do not apply)."""
+    with torch.inference_mode():
+        for Tq, Tk in ((0, 0), (0, 5)):
+            q, k = torch.zeros(1, 2, Tq, 8), torch.zeros(1, 2, Tk, 8)
+            pk = torch.zeros(2, 1, 8)
+            rel = rp.log_bucket_relative_position_reference(Tq, Tk, 256, 512)
+            assert rp.disentangled_attention_bias_by_shift(q, k, pk, pk, rel, 256, 1.0, True, True) is None
+            out = rp.disentangled_attention_bias(q, k, pk, pk, rel, att_span=256, scale=1.0, c2p=True, p2c=True)
+            assert out.shape == (1, 2, Tq, Tk)
+        g = torch.Generator().manual_seed(0)
+        q, k = torch.randn(2, 3, 1, 64, generator=g), torch.randn(2, 3, 128, 64, generator=g)
+        pk = torch.randn(3, 255, 64, generator=g)
+        rel = rp.log_bucket_relative_position_reference(1, 128, 256, 512)
+        want = rp.disentangled_attention_bias_reference(q, k, None, pk, rel, 256, 0.125, True, False)
+        got = rp.disentangled_attention_bias(q, k, None, pk, rel, att_span=256, scale=0.125, c2p=True, p2c=False)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        idx3 = rp._relative_index(rel, 256, 255)[None]
+        assert rp._linear_offset(idx3) is None
