@@ -26,7 +26,7 @@ import math
 import statistics
 import time
 
-HEADS, HEAD_SIZE, BUCKETS, MAX_POSITION = 12, 64, 256, 512
+from .bench_onnx_ops import BUCKETS, HEAD_SIZE, HEADS, MAX_POSITION  # the same DeBERTa-v3 op shapes
 
 
 def _inputs(batch: int, seq: int, dtype):
