@@ -49,8 +49,9 @@ test: install-test
 test-fast: install-test
 	$(BIN)/python -m pytest -q tests/unit tests/models tests/onnx
 
+# ours : transformers, DeBERTa-v3-base shape, CPU fp32 (every micro-benchmark: docs/performance.md).
 bench: install-test
-	$(BIN)/python -m relserve.loadtest.bench_encoder
+	$(BIN)/python -m relserve.loadtest.bench.encoder
 
 # Native CPU kernels for the com.relserve ONNX custom ops (optional; the exported graphs run without them).
 # Downloads Debian trixie's libonnxruntime-dev headers into models/onnx/native/build (private apt config).
@@ -59,13 +60,13 @@ onnx-native:
 
 # transformers : our torch : ONNX Runtime (portable, and native when built), DeBERTa-v3-base shape, CPU fp32.
 bench-onnx: install-test
-	$(BIN)/python -m relserve.loadtest.bench_onnx
+	$(BIN)/python -m relserve.loadtest.bench.onnx_encoder
 
 # On a GPU machine: the CUDA tests (skipped elsewhere), then the encoder and translation ONNX benchmarks.
 gpu-check: install-test
 	$(BIN)/python -m pytest -q -rs tests/gpu/test_cuda.py
-	$(BIN)/python -m relserve.loadtest.bench_onnx --layers 2 --repeats 2
-	$(BIN)/python -m relserve.loadtest.bench_onnx_translation --repeats 3
+	$(BIN)/python -m relserve.loadtest.bench.onnx_encoder --layers 2 --repeats 2
+	$(BIN)/python -m relserve.loadtest.bench.onnx_translation --repeats 3
 
 # A wheel in dist/ (stubs generated at build time, .proto files and defaults/ inside); install it with the
 # extra you want: pip install -c constraints.txt 'dist/relserve-0.1.0-py3-none-any.whl[onnx]'.

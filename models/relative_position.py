@@ -151,7 +151,7 @@ def disentangled_attention_bias_by_rows(
     ``j·R + idx[i, j]`` (p2c), a [Tq, Tk] index shared by every batch row and head, so p2c needs no transpose.
     The CPU kernel for bfloat16 beyond the exact bucket range (``torch.gather`` with an expanded index is slow in
     bfloat16 there: 8 x 12 heads x 512 tokens, 2 threads, 508-537 -> 146 ms in one run, 323 -> 232 ms in
-    ``loadtest/bench_relpos.py`` on another machine); in float32 the gather is faster (269 against 299 ms).
+    ``loadtest/bench/relpos.py`` on another machine); in float32 the gather is faster (269 against 299 ms).
     Float[B, n, Tq, Tk]."""
     B, n, Tq, Tk, R = _bias_shapes(query_layer, key_layer, pos_query, pos_key, c2p, p2c)
     idx = _relative_index(relative_pos, att_span, R)  # [Tq, Tk]
@@ -284,7 +284,7 @@ def _disentangled_op(query_layer: Tensor, key_layer: Tensor, pos_query: Optional
     args = (query_layer, key_layer, pos_query, pos_key, relative_pos, att_span, scale, c2p, p2c)
     if query_layer.device.type != "cpu":
         return disentangled_attention_bias_reference(*args).contiguous()  # the fake's layout
-    # CPU, the same numbers each way (loadtest/bench_relpos.py times them): strided views where the index is
+    # CPU, the same numbers each way (loadtest/bench/relpos.py times them): strided views where the index is
     # linear in the distance; else, in bfloat16, advanced indexing (torch.gather with an expanded index is slow
     # there: 8 x 512 tokens 323 -> 232 ms), while in float32 the gather is the faster of the two
     bias = disentangled_attention_bias_by_shift(*args)

@@ -1,4 +1,5 @@
-"""Whether this CPU runs bfloat16 natively (no torch here: config validation asks too).
+"""What this CPU offers: how many cores this process may use (:func:`available_cores`), and whether it runs
+bfloat16 natively (no torch here: config validation asks too).
 
 torch computes bfloat16 on any x86 CPU, but without AVX512-BF16 (``avx512_bf16``: Cooper Lake, Sapphire Rapids,
 Zen 4 and later) or AMX-BF16 (``amx_bf16``: Sapphire Rapids and later) every bf16 matmul is emulated through
@@ -75,3 +76,19 @@ def bf16_support(environ: Mapping[str, str] | None = None, cpuinfo: Path = _CPUI
         return False, f"the CPU flags cannot be read from {cpuinfo} (bfloat16 support is not assumed)"
     return False, (f"this CPU has no AVX512-BF16/AMX-BF16 (none of the cpuinfo flags {', '.join(CPU_BF16_FLAGS)}), "
                    f"so bfloat16 would be emulated and slower than float32")
+
+
+def available_cores(environ: Mapping[str, str] | None = None) -> int:
+    """The cores torch would size its pool for: ``OMP_NUM_THREADS`` when set, else the CPUs this process
+    may run on (``sched_getaffinity``: a cpuset of a container counts, a CFS quota does not)."""
+    env = os.environ if environ is None else environ
+    try:
+        n = int(env.get("OMP_NUM_THREADS", "") or 0)
+    except ValueError:
+        n = 0
+    if n > 0:
+        return n
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - platforms without affinity
+        return os.cpu_count() or 1

@@ -1,8 +1,11 @@
-"""Domain exceptions and the one table that turns them into gRPC status codes.
+"""Domain exceptions and the one table that gives each its status code.
 
-Anything below the servicer raises one of these; ``service/api.py`` alone turns them into a gRPC
-status (via :func:`to_status`). An exception that is not a :class:`RelserveError` is a bug: it becomes
-INTERNAL for that request only and the server keeps serving.
+Anything below the frontends raises one of these; each transport turns them into its wire form from
+:func:`to_status` (the code and message) and the error's fields: the gRPC frontends
+(``frontends/grpc_transport.py``: the status, and the ``grpc-retry-pushback-ms`` trailer from
+``ResourceExhausted.retry_after_s``) and the HTTP routes (``frontends/http.py``: ``HTTP_STATUS`` of the code,
+and ``Retry-After``). An exception that is not a :class:`RelserveError` is a bug: it becomes INTERNAL for
+that request only and the server keeps serving.
 
 Every message says what was wrong and, where there is one, what the limit is.
 """
@@ -42,9 +45,9 @@ class ResourceExhausted(RelserveError):
 
     Args:
         message: what was exhausted and the limit.
-        retry_after_s: for a full queue, seconds after which a retry could be taken (the servicer sends it as
-            the ``grpc-retry-pushback-ms`` trailer, see ``service/pushback.py``); None for a request that no
-            retry would help (over a size limit).
+        retry_after_s: for a full queue, seconds after which a retry could be taken (the retry hint every
+            transport sends: gRPC's ``grpc-retry-pushback-ms`` trailer, HTTP's ``Retry-After``; see
+            ``service/scheduling/pushback.py``); None for a request that no retry would help (over a size limit).
     """
 
     def __init__(self, message: str, retry_after_s: float | None = None) -> None:

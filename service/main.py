@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import importlib
 import logging
-import os
 import signal
 import sys
-from typing import Mapping, Sequence
+from typing import Sequence
 
-from . import model_dir
-from .config import COMPUTE_SCHEDULING, ConfigError, ModelConfig, ServerConfig, load_config
+from .config import ConfigError, ServerConfig, add_config_flags, config_from_args
 
 log = logging.getLogger("relserve")
 
@@ -40,76 +37,12 @@ EXIT_LINGER_S = 1.0    # after a drain that finished early: time for the last re
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``relserve`` command line: ``serve`` (its flags: :func:`relserve.service.config.add_config_flags`),
+    and the sub-commands that parse their own flags."""
     parser = argparse.ArgumentParser(prog="relserve", description="gRPC inference server for DeBERTa-style encoders")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve models over gRPC (relserve.v1.Inference)")
-    serve.add_argument("--config", metavar="FILE", help="YAML config file (flags below override it)")
-    serve.add_argument("--host", help="address to bind (default 0.0.0.0)")
-    serve.add_argument("--port", type=int, help="gRPC port (default 50051; 0 picks a free port)")
-    serve.add_argument("--metrics-port", type=int,
-                       help="Prometheus /metrics port (default 8002; 0 picks a free port; -1 disables)")
-    serve.add_argument("--model", action="append", default=[], metavar="NAME=DIR[,key=value...]",
-                       help="serve the checkpoint DIR as NAME, e.g. --model sst2=./ckpt,max_batch_size=8 "
-                            "(repeatable; default: the built-in models in defaults/)")
-    kserve = serve.add_argument_group(
-        "model directory (KServe: the storage initializer's /mnt/models; each flag falls back to the environment "
-        "variable named, see service/model_dir.py)")
-    kserve.add_argument("--model-dir", "--model_dir", dest="model_dir", metavar="DIR",
-                        help="a checkpoint (DIR/config.json: one model, named by --model-name) or one checkpoint "
-                             f"sub-directory per model, named after it [${model_dir.ENV_DIR}]")
-    kserve.add_argument("--model-name", "--model_name", dest="model_name", metavar="NAME",
-                        help=f"name of a single-checkpoint --model-dir (KServe: {{{{.Name}}}}) [${model_dir.ENV_NAME}]")
-    kserve.add_argument("--model-options", "--model_options", dest="model_options", metavar="KEY=VALUE,...",
-                        action="append", default=[],
-                        help="model config keys for every model of --model-dir, e.g. device=cuda,dtype=float16 "
-                             f"(repeatable, later keys win; after those of ${model_dir.ENV_OPTIONS})")
-    serve.add_argument("--drain-timeout", type=float, help="seconds to let in-flight requests finish on SIGTERM")
-    serve.add_argument("--max-message-bytes", type=int,
-                       help="max gRPC message size both ways (default 4194304)")
-    conn = serve.add_argument_group("connection management (seconds; see the config keys of the same names)")
-    conn.add_argument("--max-connection-age", type=float, metavar="S",
-                      help="GOAWAY to each connection after S (default 300; 0: off): clients reconnect and "
-                           "re-resolve DNS, so they reach replicas added later")
-    conn.add_argument("--max-connection-age-grace", type=float, metavar="S",
-                      help="in-flight calls' time after that GOAWAY before the connection closes (default 30)")
-    conn.add_argument("--keepalive-time", type=float, metavar="S",
-                      help="server keepalive ping interval (default 60; 0: no pings)")
-    conn.add_argument("--keepalive-timeout", type=float, metavar="S",
-                      help="drop a connection whose ping is unanswered this long (default 20)")
-    conn.add_argument("--keepalive-min-ping-interval", type=float, metavar="S",
-                      help="shortest client keepalive interval accepted (default 10; faster clients get "
-                           "GOAWAY too_many_pings)")
-    conn.add_argument("--keepalive-permit-without-calls", action=argparse.BooleanOptionalAction, default=None,
-                      help="clients may ping connections without open calls (default: yes)")
-    serve.add_argument("--log-level", help="DEBUG, INFO, WARNING, ... (default INFO)")
-    serve.add_argument("--compute-scheduling", choices=COMPUTE_SCHEDULING,
-                       help="how models share the cores: partition (default; models compute concurrently, each "
-                            "call on cores // active models threads), fair (one model's backend call at a time, models in turn) "
-                            "or shared (no coordination)")
-    serve.add_argument("--gil-switch-interval-us", type=float, metavar="US",
-                       help="sys.setswitchinterval while serving, in microseconds (default: Python's own, 5000): "
-                            "how long a backend thread may wait to take the GIL back from the event loop; 10 "
-                            "speeds encoder models under load and slows translation's decode loop")
-    security = serve.add_argument_group("transport security and auth")
-    security.add_argument("--tls-cert", metavar="FILE", help="PEM certificate chain: serve gRPC over TLS "
-                                                            "(needs --tls-key)")
-    security.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert (unencrypted)")
-    security.add_argument("--tls-client-ca", metavar="FILE",
-                          help="PEM CA bundle: require client certificates signed by it (mTLS; needs TLS)")
-    security.add_argument("--auth-token-file", metavar="FILE",
-                          help="bearer tokens, one per line: calls without 'authorization: Bearer <token>' "
-                               "are UNAUTHENTICATED (health checks stay open unless auth_health: true)")
-    security.add_argument("--no-reflection", dest="reflection", action="store_const", const=False, default=None,
-                          help="do not serve grpc.reflection (config key reflection: false)")
-    security.add_argument("--metrics-host", metavar="HOST", help="address of the /metrics server (default: --host)")
-    security.add_argument("--health-port", type=int, metavar="PORT",
-                          help="also serve grpc.health.v1 alone, in plaintext, on PORT (for kubelet probes "
-                               "when TLS or auth is on; 0 picks a free port)")
-    security.add_argument("--health-host", metavar="HOST", help="address of --health-port (default: --host)")
-    security.add_argument("--http-port", type=int, metavar="PORT",
-                          help="also serve the HTTP/JSON API (KServe v2 REST, /v1/classify|answer|translate, "
-                               "/metrics) on PORT, with the gRPC port's TLS and tokens (0 picks a free port)")
-    security.add_argument("--http-host", metavar="HOST", help="address of --http-port (default: --host)")
+    add_config_flags(serve)
     sub.add_parser("export", add_help=False, help="export a checkpoint to ONNX (custom relative-position ops) "
                                                   "with a parity report against torch (see export --help)")
     sub.add_parser("loadtest", add_help=False,
@@ -117,79 +50,6 @@ def build_parser() -> argparse.ArgumentParser:
     for name, what in _TRAINERS.items():
         sub.add_parser(name, add_help=False, help=f"train {what} (see {name} --help)")
     return parser
-
-
-def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServerConfig:
-    """The one place command-line flags meet the config file (and the ``RELSERVE_MODEL_*`` variables of
-    ``environ``, default ``os.environ``, where their flags are absent)."""
-    overrides = {
-        "host": args.host,
-        "port": args.port,
-        "metrics_port": args.metrics_port,
-        "drain_timeout": args.drain_timeout,
-        "log_level": args.log_level,
-        "compute_scheduling": args.compute_scheduling,
-        "gil_switch_interval_us": args.gil_switch_interval_us,
-        "max_receive_message_length": args.max_message_bytes,
-        "max_send_message_length": args.max_message_bytes,
-        "max_connection_age": args.max_connection_age,
-        "max_connection_age_grace": args.max_connection_age_grace,
-        "keepalive_time": args.keepalive_time,
-        "keepalive_timeout": args.keepalive_timeout,
-        "keepalive_min_ping_interval": args.keepalive_min_ping_interval,
-        "keepalive_permit_without_calls": args.keepalive_permit_without_calls,
-        "tls_cert": args.tls_cert,
-        "tls_key": args.tls_key,
-        "tls_client_ca": args.tls_client_ca,
-        "auth_token_file": args.auth_token_file,
-        "reflection": args.reflection,
-        "metrics_host": args.metrics_host,
-        "health_port": args.health_port,
-        "health_host": args.health_host,
-        "http_port": args.http_port,
-        "http_host": args.http_host,
-    }
-    return load_config(args.config, overrides=overrides, model_specs=args.model,
-                       dir_models=_dir_models(args, os.environ if environ is None else environ))
-
-
-def _dir_models(args: argparse.Namespace, environ: Mapping[str, str]) -> list:
-    """``--model-dir`` and ``--model-name``, each falling back to its environment variable, and the model options
-    of ``$RELSERVE_MODEL_OPTIONS`` then of each ``--model-options`` (a KServe InferenceService's args come after
-    its runtime's, so it can add to or override the runtime's options), as ``load_config`` ``dir_models`` entries.
-
-    Raises:
-        ConfigError: a name or options without a directory, or what ``model_dir.dir_models`` refuses.
-    """
-    def pick(flag: str, value: str | None, env: str) -> tuple[str | None, str]:
-        if value is not None:
-            return value, flag
-        if environ.get(env):
-            return environ[env], f"${env}"
-        return None, f"{flag} (or ${env})"
-
-    directory, dir_source = pick("--model-dir", args.model_dir, model_dir.ENV_DIR)
-    name, name_source = pick("--model-name", args.model_name, model_dir.ENV_NAME)
-    env_options = environ.get(model_dir.ENV_OPTIONS)
-    options = [(f"${model_dir.ENV_OPTIONS}", env_options)] if env_options else []
-    options += [("--model-options", text) for text in args.model_options]
-    if directory is None:
-        for value, source in ((name, name_source), *((text, src) for src, text in options)):
-            if value is not None:
-                raise ConfigError(f"{source} is given but no model directory: add --model-dir DIR "
-                                  f"(or set ${model_dir.ENV_DIR})")
-        return []
-    # what an option may set: every model config key but the two the directory gives (parse_options refuses
-    # those by name); checked here so the unknown-key message lists only keys this flag accepts
-    allowed = sorted({f.name for f in dataclasses.fields(ModelConfig)} - {"name", "path"})
-    parsed = {}
-    for source, text in options:
-        items = model_dir.parse_options(text, source)
-        unknown = sorted(set(items) - set(allowed))
-        if unknown:
-            raise ConfigError(f"{source} {text!r}: unknown key(s) {unknown}; allowed: {allowed}")
-        parsed.update(items)
-    return model_dir.dir_models(directory, name, parsed, dir_source=dir_source, name_source=name_source)
 
 
 async def serve(config: ServerConfig, runners=None) -> int:

@@ -270,7 +270,7 @@ def exposition(accept: str, accept_encoding: str, names: list[str] | None = None
     """The default registry as a scrape answer: ``(body, content type, content encoding or None)`` in the format
     the ``Accept`` header asks for (prometheus_client's ``choose_encoder``), gzip when ``Accept-Encoding`` allows
     it, only the metrics ``names`` when given (``?name[]=`` as in prometheus_client's own handler). Used by the
-    metrics port and by ``/metrics`` on the HTTP/JSON port (service/http_api.py)."""
+    metrics port and by ``/metrics`` on the HTTP/JSON port (service/frontends/http.py)."""
     encoder, content_type = choose_encoder(accept)
     output = encoder(REGISTRY.restricted_registry(names) if names else REGISTRY)
     if gzip_accepted(accept_encoding):

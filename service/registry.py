@@ -10,8 +10,7 @@ from .backends import checkpoint_task, create_backend, create_translation_backen
 from .backends.base import TASK_CLASSIFICATION, TASK_QA, TASK_TRANSLATION
 from .config import ModelConfig
 from .errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable, shown
-from .runner import ModelRunner, Runner
-from .translation import TranslationRunner
+from .runner import ModelRunner, Runner, TranslationRunner
 
 
 class ModelRegistry:

@@ -1,12 +1,12 @@
-"""A served model: backend + scheduler + task pre/post-processing, behind a few coroutines.
+"""A served model: backend + scheduler + metrics, behind a small lifecycle (no task logic here).
 
 :class:`Runner` is the lifecycle every served model shares (load and warm-up, start, ready, info, close,
-the UNAVAILABLE answer before it is ready). :class:`ModelRunner` serves encoder models (classification,
-QA) through the batcher; ``relserve.service.translation.TranslationRunner`` serves translation models
-through the decode loop. The server takes a list of runners (built from the config by
-``relserve.service.registry.build_runner``, or built by a test around a fake backend and fake task
-processing); the servicer validates each request once (``relserve.service.tasks``) and calls ``classify`` /
-``answer`` / ``translate`` / ``info``.
+the UNAVAILABLE answer before it is ready, the model's own tokenization threads). :class:`ModelRunner`
+serves encoder models (classification, QA) through the batcher; :class:`TranslationRunner` serves
+translation models through the decode loop. The server takes a list of runners (built from the config by
+``relserve.service.registry.build_runner``, or built by a test around a fake backend); each task's module
+in :mod:`relserve.service.tasks` validates a request, reserves its places in the runner's scheduler,
+tokenizes through :meth:`Runner.tokenize`, submits and post-processes.
 
 No torch here: the backend is reached through the contracts in :mod:`relserve.service.backends.base`.
 """
@@ -19,79 +19,29 @@ import dataclasses
 import functools
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
-
-import numpy as np
+from dataclasses import dataclass
+from typing import Any
 
 from . import metrics
-from .backends.base import TASK_CLASSIFICATION, TASK_QA, Backend, ModelMeta
-from .batcher import Batcher, BatchStats, Unit
-from .compute import COST_TERM_UNITS, BatchCostModel, ComputeScheduler, Lane, calibrate, calibration_shapes
+from .backends.base import TASK_QA, TASK_TRANSLATION, Backend, ModelMeta, StepBackend
 from .config import DEFAULT_DOC_STRIDE, ModelConfig
-from .errors import ConfigError, Internal, InvalidArgument, Unavailable
-from relserve.models import qa_spans
-from relserve.models.tokenization import DocStrideTooLarge, TooManyWindows, qa_window_count
-
-from .tasks import classify
+from .errors import ConfigError, Unavailable
+from .scheduling.batcher import Batcher, BatchStats
+from .scheduling.cores import ComputeScheduler, Lane
+from .scheduling.cost_model import COST_TERM_UNITS, BatchCostModel, calibrate, calibration_shapes
+from .scheduling.decode_loop import DecodeLoop, LoopObserver
 
 log = logging.getLogger(__name__)
 
 # Threads per model for tokenizing (its own pool: a long tokenization never waits for, or holds up, another
 # model's; two, so one long request of a model does not hold up its short ones).
 TOKENIZATION_THREADS = 2
-# Characters per token assumed when estimating a QA request's windows from its length, before tokenizing (for
-# the queue reservation; prose runs about 4-5 per token with the default vocabularies).
-QA_ESTIMATE_CHARS_PER_TOKEN = 4
-
-
-class TaskProcessing(Protocol):
-    """Task pre/post-processing the runner calls (default: ``relserve.service.tasks``)."""
-
-    def classify_preprocess(self, tokenizer: Any, texts: Sequence[str], pairs: Sequence[str] | None,
-                            max_seq_len: int) -> list[Any]: ...
-
-    def classify_postprocess(self, logits: Any, meta: ModelMeta, top_k: int,
-                             function_to_apply: str | None = None) -> list[tuple[str, float]]: ...
-
-    def qa_windows(self, tokenizer: Any, question: str, context: str, max_seq_len: int, doc_stride: int, *,
-                   max_windows: int | None = None, clamp_stride: bool = False) -> list[Any]: ...
-
-    def qa_best_answers(self, windows: Sequence[Any], logits: Sequence[tuple[Any, Any]], context: str, *,
-                        top_k: int, max_answer_len: int, allow_impossible: bool,
-                        null_threshold: float, align_to_words: bool = False) -> list[Any]: ...
-
-
-class DefaultTaskProcessing:
-    """The real task processing: ``relserve.service.tasks.classify``, ``Tokenizer.qa_windows`` and
-    ``relserve.models.qa_spans`` (tests swap in fakes through :class:`TaskProcessing`)."""
-
-    def classify_preprocess(self, tokenizer, texts, pairs, max_seq_len):
-        return classify.preprocess(tokenizer, texts, pairs, max_seq_len)
-
-    def classify_postprocess(self, logits, meta, top_k, function_to_apply=None):
-        id2label = {i: label for i, label in enumerate(meta.labels)}
-        return classify.postprocess(logits, id2label, meta.problem_type, top_k, function_to_apply)
-
-    def qa_windows(self, tokenizer, question, context, max_seq_len, doc_stride, *, max_windows=None,
-                   clamp_stride=False):
-        return tokenizer.qa_windows(question, context, max_seq_len, doc_stride, max_windows=max_windows,
-                                    clamp_stride=clamp_stride)
-
-    def qa_best_answers(self, windows, logits, context, *, top_k, max_answer_len, allow_impossible,
-                        null_threshold, align_to_words=False):
-        try:
-            return qa_spans.best_answers(
-                windows, [s for s, _ in logits], [e for _, e in logits], context,
-                top_k=top_k, max_answer_len=max_answer_len, allow_impossible=allow_impossible,
-                null_threshold=null_threshold, align_to_words=align_to_words,
-            )
-        except ValueError as e:  # logits that do not fit the windows: a model bug, not the client's
-            raise Internal(str(e)) from None
 
 
 @dataclass(frozen=True)
 class ModelInfo:
+    """What a loaded model is (relserve.v1 ListModels, KServe v2 model metadata, the load log line)."""
+
     name: str
     task: str
     family: str
@@ -101,47 +51,7 @@ class ModelInfo:
     max_seq_len: int
     labels: tuple[str, ...]
     max_batch_size: int
-    function_to_apply: str = ""  # classification: the scores' default function (classify.default_function)
     dtype_reason: str = ""  # why this dtype (ModelMeta.dtype_reason: dtype auto's choice and its gate numbers)
-
-
-@dataclass
-class Timings:
-    """Per-request timings, assembled from its units (they travel with each unit)."""
-
-    tokenization_s: float = 0.0
-    queue_s: float = 0.0       # longest wait of any of its units
-    inference_s: float = 0.0   # longest batch any of its units ran in
-    units: int = 0
-
-    def add_units(self, units: Sequence[Unit]) -> None:
-        self.units += len(units)
-        for u in units:
-            self.queue_s = max(self.queue_s, u.queue_s)
-            self.inference_s = max(self.inference_s, u.inference_s)
-
-
-@dataclass
-class ClassifyItem:
-    labels: list[tuple[str, float]]
-    truncated: bool
-    num_tokens: int
-
-
-@dataclass
-class AnswerItem:
-    text: str
-    start: int
-    end: int
-    score: float
-    is_impossible: bool = False
-
-
-@dataclass
-class AnswerResult:
-    answers: list[AnswerItem]
-    num_windows: int
-    timings: Timings = field(default_factory=Timings)
 
 
 class Runner:
@@ -208,7 +118,7 @@ class Runner:
         m = self.meta
         metrics.set_model_info(self.name, m.family, m.task, m.backend, m.device, m.dtype)
         metrics.add_memory_source(self.backend.memory_stats)
-        if hasattr(self.backend, "process_stats"):  # worker_process: its child's CPU and memory
+        if self.backend.worker_processes:  # worker_process: its children's CPU and memory
             metrics.add_worker_source(self.name, self.backend.process_stats)
         self.state = "ready"
 
@@ -221,7 +131,7 @@ class Runner:
             self._tokenization.shutdown(wait=False, cancel_futures=True)
             self._tokenization = None
         metrics.remove_memory_source(self.backend.memory_stats)
-        if hasattr(self.backend, "process_stats"):
+        if self.backend.worker_processes:
             metrics.remove_worker_source(self.name, self.backend.process_stats)
         try:
             self.backend.close()
@@ -235,7 +145,7 @@ class Runner:
     def _make_scheduler(self) -> Any:
         raise NotImplementedError
 
-    async def _tokenize(self, fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+    async def tokenize(self, fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
         """``fn(*args, **kwargs)`` in this model's tokenization threads (never on the event loop, never in a
         pool another model shares); returns (its result, seconds) and records the tokenization metric.
 
@@ -267,6 +177,7 @@ class Runner:
         return self.meta.task if self.meta else None
 
     def info(self) -> "ModelInfo":
+        """What this model is (before loading: what its config says)."""
         m = self.meta
         return ModelInfo(
             name=self.name,
@@ -278,12 +189,10 @@ class Runner:
             max_seq_len=self.max_seq_len,
             labels=tuple(m.labels) if m else (),
             max_batch_size=self.scheduler.max_batch_size if self.scheduler else self.config.max_batch_size,
-            function_to_apply=(classify.default_function(m.problem_type, len(m.labels))
-                               if m and m.task == TASK_CLASSIFICATION else ""),
             dtype_reason=m.dtype_reason if m else "",
         )
 
-    def _check_ready(self) -> Any:
+    def check_ready(self) -> Any:
         """The scheduler of a ready model.
 
         Raises:
@@ -300,34 +209,33 @@ class ModelRunner(Runner):
     Args:
         config: the model's config entry.
         backend: anything following :class:`relserve.service.backends.base.Backend` (a fake in tests).
-        tasks: task pre/post-processing (a fake in tests); default ``relserve.service.tasks``.
     """
 
-    def __init__(self, config: ModelConfig, backend: Backend, tasks: TaskProcessing | None = None) -> None:
+    def __init__(self, config: ModelConfig, backend: Backend) -> None:
         super().__init__(config, backend)
-        self.tasks: TaskProcessing = tasks or DefaultTaskProcessing()
         # fitted by load() from warm-up probes, then refined by the batcher from every call
         self.batch_cost = BatchCostModel()
 
     def load(self) -> None:
         """Load and warm up (:meth:`Runner.load`), then, with warm-up and ``cost_batching`` on, fit the batch
-        cost model from probe batches of a few shapes (:func:`relserve.service.compute.calibration_shapes`)
+        cost model from probe batches of a few shapes
+        (:func:`relserve.service.scheduling.cost_model.calibration_shapes`)
         on the model's own device, so that the first batches are already split by a measured model. A
-        backend without ``probe_batch(lengths)`` (test fakes) is not probed; its fit comes from live calls.
+        backend whose ``can_probe`` is false (test fakes) is not probed; its fit comes from live calls.
 
         Raises:
             as :meth:`Runner.load`; and whatever a probe batch raises (``state`` becomes ``failed``).
         """
         super().load()
-        make = getattr(self.backend, "probe_batch", None)
-        if not (self.config.warmup and self.config.cost_batching and callable(make)):
+        if not (self.config.warmup and self.config.cost_batching and self.backend.can_probe):
             return
         try:
             t0 = time.monotonic()
             cap = self.backend.max_batch_size
             shapes = calibration_shapes(self.max_seq_len, min(self.config.max_batch_size, cap or 1 << 30),
                                         self.config.max_batch_tokens)
-            n = calibrate(self.backend.run, make, shapes, self.batch_cost, is_padded=self.backend.is_padded)
+            n = calibrate(self.backend.run, self.backend.probe_batch, shapes, self.batch_cost,
+                          is_padded=self.backend.is_padded)
         except BaseException:
             self.state = "failed"
             raise
@@ -361,9 +269,10 @@ class ModelRunner(Runner):
     def _make_scheduler(self) -> Batcher:
         cap = self.backend.max_batch_size
         max_batch = min(self.config.max_batch_size, cap) if cap else self.config.max_batch_size
-        return Batcher(
+        # every backend call is given the compute budget of the batcher's lane
+        batcher = Batcher(
             self.name,
-            self.backend.run,
+            lambda payloads: self.backend.run(payloads, batcher.budget),
             max_batch_size=max_batch,
             max_batch_tokens=self.config.max_batch_tokens,
             max_queue_delay=self.config.max_queue_delay,
@@ -377,109 +286,57 @@ class ModelRunner(Runner):
             cost_batching=self.config.cost_batching,
             batch_cost=self.batch_cost,
         )
+        return batcher
 
     def _observe_batch(self, stats: BatchStats) -> None:
         metrics.observe_batch(self.name, self.backend.name, stats.size, stats.real_tokens, stats.padded_tokens,
                               stats.inference_s, stats.queue_s)
 
-    # ------------------------------------------------------------------ requests
 
-    async def classify(self, texts: Sequence[str], pairs: Sequence[str] | None, top_k: int,
-                       deadline: float | None,
-                       function_to_apply: str | None = None) -> tuple[list[ClassifyItem], Timings]:
-        """Classify validated texts (and pairs): one item per text, in order; ``function_to_apply`` (checked
-        by ``classify.validate_function``; None: the model's default) turns logits into scores.
+class _Observer(LoopObserver):
+    def __init__(self, model: str, backend: str) -> None:
+        self.model, self.backend = model, backend
 
-        Admission before work: the request's places (one per text) are reserved in the batcher before any
-        tokenizing, so a full queue refuses it (RESOURCE_EXHAUSTED) at no tokenizing cost; the reservation
-        is released on any error or cancellation.
-        """
-        batcher = self._check_ready()
-        assert self.meta is not None
-        timings = Timings()
-        with batcher.reserve(len(texts), deadline) as reservation:
-            encodings, timings.tokenization_s = await self._tokenize(
-                self.tasks.classify_preprocess, self.meta.tokenizer, list(texts), list(pairs) if pairs else None,
-                self.max_seq_len,
+    def queue_depth(self, n: int) -> None:
+        metrics.set_queue_depth(self.model, n)
+
+    def encoded(self, size, real_tokens, padded_tokens, seconds, queue_s) -> None:
+        metrics.observe_batch(self.model, self.backend, size, real_tokens, padded_tokens, seconds, queue_s)
+
+    def stepped(self, hypotheses, seconds) -> None:
+        metrics.observe_decode_step(self.model, self.backend, hypotheses, seconds)
+
+    def active(self, hypotheses) -> None:
+        metrics.set_active_hypotheses(self.model, hypotheses)
+
+
+class TranslationRunner(Runner):
+    """One translation model behind the decode loop (iteration-level batching); requests go through
+    :mod:`relserve.service.tasks.translate`."""
+
+    def __init__(self, config: ModelConfig, backend: StepBackend) -> None:
+        super().__init__(config, backend)
+        self.max_seq_len = config.max_source_tokens
+
+    @property
+    def loop(self) -> DecodeLoop | None:
+        return self.scheduler
+
+    def _check_loaded(self, meta: ModelMeta) -> None:
+        if meta.task != TASK_TRANSLATION:
+            raise ConfigError(f"model {self.name!r}: backend loaded a {meta.task} model, expected translation")
+        if self.config.max_batch_tokens < self.config.max_source_tokens:
+            raise ConfigError(
+                f"model {self.name!r}: max_batch_tokens {self.config.max_batch_tokens} must be >= "
+                f"max_source_tokens {self.config.max_source_tokens}"
             )
-            units = batcher.submit([(len(e.input_ids), e) for e in encodings], deadline, reservation)
-        units = await batcher.wait(units, deadline)
-        timings.add_units(units)
-        items = []
-        for enc, unit in zip(encodings, units):
-            items.append(ClassifyItem(
-                labels=self.tasks.classify_postprocess(unit.result, self.meta, top_k, function_to_apply),
-                truncated=bool(getattr(enc, "truncated", False)),
-                num_tokens=len(enc.input_ids),
-            ))
-        return items, timings
 
-    async def answer(self, question: str, context: str, *, top_k: int, max_answer_len: int, doc_stride: int,
-                     allow_impossible: bool, null_threshold: float, deadline: float | None,
-                     clamp_stride: bool = False, align_to_words: bool | None = None) -> AnswerResult:
-        """Answer a validated question over ``context`` (stride windows of ``max_seq_len`` overlapping by
-        ``doc_stride`` tokens; ``clamp_stride``: it is the config's default, lowered for a long question;
-        ``align_to_words``: spans widened to whole words, ``relserve.models.qa_spans``; None: the model's
-        ``align_to_words`` config).
-
-        Bounded work: the window count is estimated from the context's length and reserved in the batcher
-        before tokenizing (a full queue refuses at no cost); the tokenizer then tokenizes only as much of the
-        context as it takes to prove it needs more than ``max_qa_windows`` windows, before building any.
-
-        Raises:
-            InvalidArgument: ``doc_stride`` over this question's limit, or more than ``max_qa_windows`` windows
-                (each naming the limit).
-            RelserveError: from the batcher (queue full, deadline, shutting down, model failure).
-        """
-        batcher = self._check_ready()
-        assert self.meta is not None
-        timings = Timings()
-        limit = self.config.max_qa_windows
-        with batcher.reserve(self._estimated_windows(question, context, doc_stride), deadline) as reservation:
-            try:
-                windows, timings.tokenization_s = await self._tokenize(
-                    self.tasks.qa_windows, self.meta.tokenizer, question, context, self.max_seq_len, doc_stride,
-                    max_windows=limit, clamp_stride=clamp_stride,
-                )
-            except TooManyWindows as exc:
-                raise InvalidArgument(f"context too long for model {self.name!r} (max_qa_windows {limit}): {exc}; "
-                                      f"send a shorter context") from None
-            except DocStrideTooLarge as exc:
-                raise InvalidArgument(f"{exc}; send a doc_stride of at most {exc.limit} (0 = the model's "
-                                      f"default)") from None
-            except ValueError as exc:  # the tokenizer's other range checks
-                raise InvalidArgument(str(exc)) from None
-            units = batcher.submit([(len(w.input_ids), w) for w in windows], deadline, reservation)
-        units = await batcher.wait(units, deadline)
-        timings.add_units(units)
-        logits = [unit.result for unit in units]
-        for start, end in logits:
-            if not (_all_finite(start) and _all_finite(end)):
-                raise Internal(f"model {self.name!r} returned non-finite start/end logits")
-        raw = self.tasks.qa_best_answers(
-            windows, logits, context, top_k=top_k, max_answer_len=max_answer_len,
-            allow_impossible=allow_impossible, null_threshold=null_threshold,
-            align_to_words=self.config.align_to_words if align_to_words is None else align_to_words,
+    def _make_scheduler(self) -> DecodeLoop:
+        c = self.config
+        return DecodeLoop(
+            self.name, self.backend, scheduling=c.scheduling, max_active_hypotheses=c.max_active_hypotheses,
+            max_batch_size=c.max_batch_size, max_batch_tokens=c.max_batch_tokens, max_queue_delay=c.max_queue_delay,
+            encode_batch_delay=c.encode_batch_delay_ms / 1000, max_queue_size=c.max_queue_size,
+            observer=_Observer(self.name, self.backend.name),
+            compute=self._compute_lane(),
         )
-        return AnswerResult([_as_answer(a) for a in raw], len(windows), timings)
-
-
-    def _estimated_windows(self, question: str, context: str, doc_stride: int) -> int:
-        """The windows a QA request will need, from its lengths alone (``QA_ESTIMATE_CHARS_PER_TOKEN``), at
-        most ``max_qa_windows``: what :meth:`answer` reserves before tokenizing."""
-        max_q = (self.max_seq_len - 3) // 2
-        room = self.max_seq_len - 3 - min(max_q, max(1, len(question) // QA_ESTIMATE_CHARS_PER_TOKEN))
-        step = room - min(doc_stride, room // 2)
-        tokens = len(context) // QA_ESTIMATE_CHARS_PER_TOKEN
-        return min(self.config.max_qa_windows, qa_window_count(tokens, room, step))
-
-
-def _all_finite(values: Any) -> bool:
-    return bool(np.all(np.isfinite(values)))
-
-
-def _as_answer(a: Any) -> AnswerItem:
-    """Accept the task module's answer objects (attributes) or mappings."""
-    get = (lambda k, d=None: a.get(k, d)) if isinstance(a, dict) else (lambda k, d=None: getattr(a, k, d))
-    return AnswerItem(text=str(get("text", "")), start=int(get("start", 0)), end=int(get("end", 0)),
-                      score=float(get("score", 0.0)), is_impossible=bool(get("is_impossible", False)))

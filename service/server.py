@@ -1,5 +1,5 @@
-"""The grpc.aio server: Inference + KServe v2 (service/api_v2.py) + health + reflection, metrics over HTTP,
-load/warm-up, drain.
+"""The grpc.aio server: Inference (frontends/grpc_v1.py) + KServe v2 (frontends/kserve_v2_grpc.py) + health +
+reflection, metrics over HTTP, the HTTP/JSON API (frontends/http.py), load/warm-up, drain.
 
 Security (keys in service/config.py, mechanics in service/auth.py): TLS or mTLS on the gRPC port, bearer
 tokens checked by an interceptor before any request is decoded (health open unless ``auth_health``;
@@ -7,7 +7,7 @@ reflection, when on, needs the token), and an optional plaintext listener servin
 (``health_port``) for probes that speak neither TLS nor tokens; it shares the HealthServicer, so drain
 flips both.
 
-Seam for tests: ``InferenceServer(config, runners=[ModelRunner(model_cfg, FakeBackend(), tasks=...)])``
+Seam for tests: ``InferenceServer(config, runners=[ModelRunner(model_cfg, FakeBackend())])``
 serves pre-built runners instead of building torch backends from ``config.models``.
 
 Lifecycle::
@@ -33,10 +33,11 @@ from typing import Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from . import api_v2, auth, compute, metrics
+from . import auth, metrics
 from . import reflection  # v1alpha (grpcio-reflection) and v1 (delegating to it)
-from .api import SERVICE_NAME, InferenceServicer, add_to_server
-from .compute import ComputeScheduler
+from .frontends import kserve_v2_grpc
+from .frontends.grpc_v1 import SERVICE_NAME, InferenceServicer, add_to_server
+from .scheduling.cores import ComputeScheduler, partition
 from .config import ServerConfig
 from .drain import InflightCalls
 from .health import HealthServicer
@@ -90,12 +91,12 @@ def apply_switch_interval(microseconds: float | None) -> float:
     threads) holds it, the backend thread waits until the holder drops it, at the latest after the switch
     interval (CPython's default 5 ms), once per op: hundreds of waits per encoder call. Measured on the
     2-core machine, sentiment default model on torch, one intra-op thread, clients on the same cores,
-    medians of 2 rounds of 12 s windows (``python -m relserve.loadtest.bench_hostile --only switch-interval
+    medians of 2 rounds of 12 s windows (``python -m relserve.loadtest.bench.hostile --only switch-interval
     --overload-duration 12 --switch-intervals 5000,100,10``), 10 us against 5000 us: capacity 45.6 against
     43.0 req/s (1.06x); 64 clients retrying on the server's pushback 1.13x; retrying every 50 ms 15.8
     against 11.5 req/s (1.38x; a batch of about 5 texts 279 against 394 ms). 100 us lay between. The cost
     is more frequent switches between threads that both run Python: the default translation model's
-    iteration-level decode loop (``python -m relserve.loadtest.bench_translation --capacity --sat-duration 8
+    iteration-level decode loop (``python -m relserve.loadtest.bench.translation --capacity --sat-duration 8
     --sat-warmup 2 --load-fractions 0.5 --load-duration 8``, two runs each, in both orders) saturated at
     41.7 / 46.3 / 51.0 / 46.7 req/s at 10 us against 50.8 / 58.1 / 53.7 / 60.9 at 5000 us (about 0.83x).
     Hence the default (``None``) keeps Python's own; servers of encoder models alone may set 10.
@@ -118,8 +119,8 @@ def refused_task(method: str) -> str:
     service, _, name = method.lstrip("/").partition("/")
     if service == SERVICE_NAME:
         return getattr(getattr(InferenceServicer, name, None), "task", metrics.UNKNOWN_MODEL)
-    if service == api_v2.SERVICE_NAME:
-        return api_v2.refused_task(name)
+    if service == kserve_v2_grpc.SERVICE_NAME:
+        return kserve_v2_grpc.refused_task(name)
     return _REFUSED_TASKS.get(service, metrics.UNKNOWN_MODEL)
 
 
@@ -139,10 +140,10 @@ class InferenceServer:
         self._metrics_http = None
         self.health_port: int | None = None  # the plaintext health-only listener (health_port), when on
         self._health_server: grpc.aio.Server | None = None
-        self.http_port: int | None = None  # the HTTP/JSON API (http_port, service/http_api.py), when on
+        self.http_port: int | None = None  # the HTTP/JSON API (http_port, service/frontends/http.py), when on
         self._http = None
         self._stopped = asyncio.Event()
-        self._inflight = InflightCalls((f"/{SERVICE_NAME}/", api_v2.INFER_METHOD))  # what a drain waits for
+        self._inflight = InflightCalls((f"/{SERVICE_NAME}/", kserve_v2_grpc.INFER_METHOD))  # what a drain waits for
         self._runners_closed = False
         # one per process: how the models' backend calls share the cores (compute_scheduling)
         self.compute = ComputeScheduler(config.compute_scheduling)
@@ -167,7 +168,7 @@ class InferenceServer:
             # kubelet gRPC probes cannot send metadata
             interceptors.append(auth.TokenAuthInterceptor(
                 auth.read_tokens(cfg.auth_token_file), on_refused=_count_unauthenticated,
-                open_methods=() if cfg.auth_health else (f"/{health.SERVICE_NAME}/", *api_v2.PROBE_METHODS)))
+                open_methods=() if cfg.auth_health else (f"/{health.SERVICE_NAME}/", *kserve_v2_grpc.PROBE_METHODS)))
         token_check = interceptors[0] if interceptors else None  # the HTTP/JSON port checks the same tokens
         if cfg.metrics_port is not None:  # bound first: a busy port then fails before any gRPC state exists
             metrics_host = cfg.metrics_host or cfg.host
@@ -177,7 +178,7 @@ class InferenceServer:
         if runners is None:
             models = cfg.models
             if cfg.compute_scheduling == "partition":  # ONNX Runtime pools get their share once; torch per call
-                models = compute.partition(models, self.compute.cores)
+                models = partition(models, self.compute.cores)
                 log.info("compute_scheduling partition over %d cores: torch threads max(1, cores // active "
                          "models) per call; onnx_intra_op_threads %s", self.compute.cores,
                          {m.name: m.onnx_intra_op_threads for m in models})
@@ -199,11 +200,12 @@ class InferenceServer:
         servicer = InferenceServicer(self.registry, cfg.max_send_message_length)
         add_to_server(servicer, self.server)
         # KServe v2 / Open Inference Protocol beside relserve.v1: same port, interceptors, registry, metrics
-        api_v2.add_to_server(api_v2.GRPCInferenceServicer(self.registry, cfg.max_send_message_length), self.server)
+        kserve_v2_grpc.add_to_server(kserve_v2_grpc.GRPCInferenceServicer(self.registry, cfg.max_send_message_length),
+                                     self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if cfg.reflection:
             reflection.enable(
-                (SERVICE_NAME, api_v2.SERVICE_NAME, health.SERVICE_NAME), self.server
+                (SERVICE_NAME, kserve_v2_grpc.SERVICE_NAME, health.SERVICE_NAME), self.server
             )
         self.port = _bind(self.server, f"{cfg.host}:{cfg.port}", "gRPC", credentials)
         if cfg.health_port is not None:
@@ -213,9 +215,10 @@ class InferenceServer:
             health_host = cfg.health_host or cfg.host
             self.health_port = _bind(self._health_server, f"{health_host}:{cfg.health_port}", "health-only", None)
         if cfg.http_port is not None:
-            # on this event loop, with the relserve.v1 handlers, the tokens, TLS files and the drain's call count
-            from .http_api import HttpApi, ssl_context
-            self._http = HttpApi(self.registry, servicer, self._inflight, max_body=cfg.max_receive_message_length,
+            # on this event loop, with the tokens, TLS files, message limits and the drain's call count
+            from .frontends.http import HttpApi, ssl_context
+            self._http = HttpApi(self.registry, self._inflight, max_body=cfg.max_receive_message_length,
+                                 max_reply=cfg.max_send_message_length,
                                  tokens=token_check, auth_health=cfg.auth_health)
             tls = ssl_context(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if credentials else None
             self.http_port = await self._http.start(cfg.http_host or cfg.host, cfg.http_port, tls)
@@ -262,10 +265,9 @@ class InferenceServer:
 
         trim_heap()
         for runner in self.runners:
-            trim = getattr(runner.backend, "trim_heap", None)
-            if trim is not None:
+            if runner.backend.worker_processes:
                 try:
-                    trim()
+                    runner.backend.trim_heap()
                 except Exception as exc:  # memory not returned is no reason to stay NOT_SERVING
                     log.warning("model %r: trimming the worker's heap failed: %s", runner.name, exc)
 

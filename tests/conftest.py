@@ -4,7 +4,7 @@ Tokenizer fixtures (session-scoped, trained in about a second from ../shared/dat
 copy of it when ../shared is absent):
 
 * ``unigram_tokenizer_dir`` — a small Unigram ``tokenizer.json`` (``tokenizers`` library, trained with
-  ``relserve.models.tokenization.train_unigram_tokenizer(unicode_form="NFC")``) whose pipeline equals what
+  ``relserve.models.training.tokenizer.train_unigram_tokenizer(unicode_form="NFC")``) whose pipeline equals what
   transformers 5 ``DebertaV2Tokenizer`` rebuilds (NFC, whitespace runs -> " ", strip right, Metaspace
   prepend "always"), TemplateProcessing ``[CLS] $A [SEP]`` / ``[CLS] $A [SEP] $B:1 [SEP]:1``, special ids
   ``[PAD]=0 [CLS]=1 [SEP]=2 [UNK]=3 [MASK]=4``, ``model_max_length`` 512.
@@ -31,7 +31,7 @@ os.environ.setdefault("RELSERVE_CPU_BF16", "off")
 
 from fixtures.data import SHARED_DATA
 from fixtures.data import read_jsonl as _jsonl
-from relserve.models.tokenization import SPECIAL_TOKENS_MAP
+from relserve.models.training.tokenizer import SPECIAL_TOKENS_MAP
 
 
 def _training_lines() -> list[str]:
@@ -58,7 +58,7 @@ def _write_config(directory: Path, extra: dict) -> None:
 
 @pytest.fixture(scope="session")
 def unigram_tokenizer_dir(tmp_path_factory) -> Path:
-    from relserve.models.tokenization import train_unigram_tokenizer
+    from relserve.models.training.tokenizer import train_unigram_tokenizer
 
     d = tmp_path_factory.mktemp("unigram_tok")
     return train_unigram_tokenizer(
@@ -93,6 +93,17 @@ def spm_tokenizer_dir(tmp_path_factory) -> Path:
     (d / "spm.model").write_bytes(buf.getvalue())
     _write_config(d, {"vocab_type": "spm", "model_max_length": int(1e30)})
     return d
+
+
+@pytest.fixture(scope="session")
+def defaults_serving():
+    """``(ServerProcess, InferenceStub, channel)`` of one ``relserve serve`` on the built-in default models
+    (``fixtures.server.defaults_server``), shared by every module that needs just that server; drained at the end of
+    the session, failing unless it exits 0 with no traceback in its log."""
+    from fixtures.server import defaults_server
+
+    with defaults_server() as running:
+        yield running
 
 
 @pytest.fixture(scope="session")

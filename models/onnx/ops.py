@@ -13,7 +13,7 @@ Domain ``com.relserve`` version 1 holds three ops. Each op has
   graph with no extra library. A native kernel library (``models/onnx/native``, ``make onnx-native``), when
   registered, takes the nodes of the ops in :data:`NATIVE_KERNELS` instead: LogBucketRelativePosition and
   RelativePositionBias, whose kernels beat the functions in the op-level benchmark
-  (``python -m relserve.loadtest.bench_onnx_ops``, DeBERTa-v3-base shapes, CPU fp32, 2 threads, native:portable
+  (``python -m relserve.loadtest.bench.onnx_ops``, DeBERTa-v3-base shapes, CPU fp32, 2 threads, native:portable
   time 0.08 / 0.06 and 0.29 / 0.33 at 8x128 / 8x512). DisentangledAttentionBias has no kernel: the C++ one
   measured 2.33 / 5.54 against the function (then MatMul + GatherElements) and was removed, so that op always
   runs its portable function. That function now gathers whole rows of B·n floats (see its body): 11.3 -> 8.2-8.8
@@ -73,7 +73,7 @@ DOMAIN = "com.relserve"
 DOMAIN_VERSION = 1
 OP_NAMES = ("LogBucketRelativePosition", "DisentangledAttentionBias", "RelativePositionBias")
 # Ops with a kernel in the native library (models/onnx/native): those where it beat the portable function in
-# ``python -m relserve.loadtest.bench_onnx_ops``. DisentangledAttentionBias always runs its portable function.
+# ``python -m relserve.loadtest.bench.onnx_ops``. DisentangledAttentionBias always runs its portable function.
 NATIVE_KERNELS = ("LogBucketRelativePosition", "RelativePositionBias")
 
 __all__ = [

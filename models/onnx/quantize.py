@@ -21,7 +21,7 @@ committed sentences, batch 1) per-channel + reduce_range kept 0.984 of the label
 difference of 0.18, full-range per-tensor 0.984 with 0.35. ONNX Runtime recommends reduce_range for non-VNNI
 CPUs; on a VNNI CPU (AVX512-VNNI / AVX-VNNI: one instruction per 4-byte dot product, no int16 step) it costs a
 little precision and nothing else. Speed on that machine, batch 1, one thread: float32 graph 31-35 sentences/s,
-int8 about 50 (measure with ``python -m relserve.loadtest.bench_onnx --dtype int8``).
+int8 about 50 (measure with ``python -m relserve.loadtest.bench.onnx_encoder --dtype int8``).
 
 Output: ``out_dir/model.onnx`` (the graph keeps the float32 graph's metadata, so it still names the checkpoint
 it came from) and ``export_report.json`` recording the recipe, the float32 graph's sha256 and the sha256 of the

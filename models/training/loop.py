@@ -273,7 +273,7 @@ class Run:
             for b in range(state["batch_in_epoch"], len(batches)):
                 batch = batches[b]
                 # bf16 autocast only where the CPU has bf16 units: on AVX2-only CPUs it is emulated and slower
-                # (loadtest/bench_train_autocast.py measures it)
+                # (loadtest/bench/train_autocast.py measures it)
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=getattr(args, "autocast", "off") == "bf16"):
                     loss = batch_loss(batch)
                 optimizer.zero_grad(set_to_none=True)

@@ -45,7 +45,8 @@ from ..checkpoint import load_translation_checkpoint, save_translation_checkpoin
 from ..decoding import DecodeOptions, beam_search, greedy_search
 from ..deberta import DebertaConfig
 from ..rnnsearch import RNNSearch, RNNSearchConfig, build_translation_model, encoder_kind
-from ..tokenization import SOURCE_SPM, TARGET_SPM, TranslationTokenizer, train_sentencepiece
+from ..tokenization import SOURCE_SPM, TARGET_SPM, TranslationTokenizer
+from .tokenizer import train_sentencepiece
 from . import TRAIN_EXTRA_INSTALL, require_train_extra
 from .loop import count_parameters
 

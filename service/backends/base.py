@@ -5,15 +5,24 @@ so nothing imports up from a scheduler.
 Encoder models (classification, QA) follow :class:`Backend`: ``load()`` reads the checkpoint and returns
 :class:`ModelMeta`, ``warmup()`` runs a throw-away batch and returns None, or a :class:`ModelMeta` that
 replaces the one ``load()`` gave (``dtype: auto`` is decided after warm-up, by the agreement gate),
-``run(batch)`` computes one batch and returns one result *or one Exception* per item, in order. Items are
+``run(batch, budget)`` computes one batch and returns one result *or one Exception* per item, in order. Items are
 tokenizer Encodings / QA windows (anything with ``input_ids`` and ``token_type_ids``). Results are numpy
 arrays per item: classification ``float32[num_labels]`` logits; QA a pair ``(start float32[T_i], end
 float32[T_i])`` unpadded to the item's own length ``T_i``.
 
 Translation models follow :class:`StepBackend` (the same ``load`` / ``warmup`` / ``memory_stats`` /
 ``close``, then ``start`` / ``step`` / ``release`` over :class:`StartItem`, :class:`StepPlan` and
-:class:`SeqUpdate`), driven one decoder step at a time by ``relserve.service.decode_loop``: schedule ->
+:class:`SeqUpdate`), driven one decoder step at a time by ``relserve.service.scheduling.decode_loop``: schedule ->
 execute -> update, as plain data (vLLM's engine step).
+
+Every compute call (``run``, ``start``, ``step``) gets a :class:`CallBudget` as an argument: the intra-op
+threads the compute scheduler grants it and the hook a long call runs between encoder layers. Calls made
+outside the scheduler (warm-up, probes, tests) get :data:`UNBUDGETED`. Backends know nothing of the
+scheduler; the budget is all they see of it.
+
+Every member the runners and schedulers use is declared here; :class:`BackendDefaults` and
+:class:`EncoderBackendDefaults` give the optional ones their in-process answers, so nothing above the
+backends asks whether a member exists.
 
 Every call except ``memory_stats`` comes from the model's executor thread, never from the event loop.
 """
@@ -21,7 +30,7 @@ Every call except ``memory_stats`` comes from the model's executor thread, never
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from relserve.models.decode_types import DecodeOptions, Hypothesis
 
@@ -41,21 +50,70 @@ class ModelMeta:
     dtype: str                      # "float32" | "float16" | "bfloat16" (what runs; never "auto")
     tokenizer: Any                  # relserve.models.tokenization.Tokenizer / TranslationTokenizer (or a fake)
     labels: tuple[str, ...] = ()    # classification labels in id order
-    problem_type: str | None = None  # with the label count, the scores' default (tasks.classify.default_function)
+    problem_type: str | None = None  # with the label count, the scores' default (models.label_scores.default_function)
     max_positions: int | None = None  # the model's own limit (max_position_embeddings), None if unbounded
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. translation: eos_token_id; ONNX: graph
     dtype_reason: str = ""          # why this dtype (dtype: auto's decision and its gate numbers; ListModels)
 
 
+def _default_threads() -> int:
+    return 0
+
+
+def _no_layer_hook() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class CallBudget:
+    """What the compute scheduler grants one backend call, passed as an argument of the call.
+
+    Attributes:
+        threads: the intra-op threads the call should use now (0: the backend's default). Asked at the start
+            of the call and again at every layer hook: under ``compute_scheduling: partition`` a call that
+            began alone shrinks to its share as soon as another model computes.
+        layer_hook: run between encoder sub-layers (torch forward pre-hooks): where a long call may hand the
+            cores to a waiting model (``compute_scheduling: fair``). Raises
+            :class:`relserve.service.errors.Unavailable` when the model is shutting down.
+    """
+
+    threads: Callable[[], int] = _default_threads
+    layer_hook: Callable[[], None] = _no_layer_hook
+
+    @classmethod
+    def fixed(cls, threads: int) -> "CallBudget":
+        """``threads`` for the whole call and no hand-over (a worker process applying the share its parent's
+        scheduler gave the call)."""
+        n = max(0, int(threads))
+        return cls(threads=lambda: n)
+
+
+UNBUDGETED = CallBudget()  # outside the compute scheduler: the backend's default threads, no hand-over
+
+
 class _Lifecycle(Protocol):
     name: str  # "torch", "onnxruntime", ... (the ``backend`` label of the metrics)
+    # whether the model computes in worker processes of its own (``process_stats`` then reports them)
+    worker_processes: bool
 
     def load(self) -> ModelMeta: ...
 
-    def warmup(self) -> None: ...
+    def warmup(self) -> ModelMeta | None:
+        """A throw-away batch; a :class:`ModelMeta` that replaces ``load()``'s (``dtype: auto`` decided by the
+        agreement gate), or None to keep it."""
+        ...
 
     def memory_stats(self) -> dict[str, tuple[int, int, int]]:
         """``{device: (allocated, reserved, peak) bytes}`` for accelerators; {} on CPU."""
+        ...
+
+    def process_stats(self) -> tuple[float, int] | None:
+        """``(cpu seconds, resident bytes)`` of the worker processes (the ``relserve_worker_*`` metrics); None
+        when none runs (always, in-process)."""
+        ...
+
+    def trim_heap(self) -> bool:
+        """Return freed heap to the OS in the worker processes (the server trims its own); whether any was."""
         ...
 
     def close(self) -> None: ...
@@ -65,15 +123,46 @@ class _Lifecycle(Protocol):
 class Backend(_Lifecycle, Protocol):
     """An encoder model behind the batcher.
 
-    Optional: ``probe_batch(lengths) -> items`` (synthetic items of exactly those token counts); a backend
-    that has it is timed on a few probe shapes at warm-up to fit the batch cost model
-    (``ModelRunner.load``, ``relserve.service.compute.calibrate``).
+    A backend whose ``can_probe`` is true makes synthetic items of exactly the token counts asked
+    (``probe_batch(lengths) -> items``); it is timed on a few probe shapes at warm-up to fit the batch cost
+    model (``ModelRunner.load``, ``relserve.service.scheduling.cost_model.calibrate``).
     """
 
     is_padded: bool       # pads a batch to its longest member (the batcher counts padded tokens)
     max_batch_size: int | None  # the backend's own cap (None: whatever the config says)
+    can_probe: bool       # probe_batch works
 
-    def run(self, batch: Sequence[Any]) -> list[Any]: ...
+    def run(self, batch: Sequence[Any], budget: CallBudget = UNBUDGETED) -> list[Any]: ...
+
+    def probe_batch(self, lengths: Sequence[int]) -> list[Any]: ...
+
+
+class BackendDefaults:
+    """The in-process answers of the optional lifecycle members (:class:`Backend`, :class:`StepBackend`)."""
+
+    worker_processes = False
+
+    def process_stats(self) -> tuple[float, int] | None:
+        """None: no worker process."""
+        return None
+
+    def trim_heap(self) -> bool:
+        """False: nothing to trim outside the server's own process."""
+        return False
+
+
+class EncoderBackendDefaults(BackendDefaults):
+    """:class:`BackendDefaults` plus an encoder backend without warm-up probes."""
+
+    can_probe = False
+
+    def probe_batch(self, lengths: Sequence[int]) -> list[Any]:
+        """Not offered (``can_probe`` is false).
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError(f"{type(self).__name__} makes no probe batches")
 
 
 # ---------------------------------------------------------------------------------------------- translation
@@ -113,12 +202,12 @@ class SeqUpdate:
 class StepBackend(_Lifecycle, Protocol):
     """A translation model behind the decode loop. Calls come from the loop's executor thread, one at a time."""
 
-    def start(self, items: Sequence[StartItem]) -> Sequence[int | Exception]:
+    def start(self, items: Sequence[StartItem], budget: CallBudget = UNBUDGETED) -> Sequence[int | Exception]:
         """Encode the sources (one padded batch) and create their beams; per item its live hypotheses
         (1 at the start) or an Exception."""
         ...
 
-    def step(self, plan: StepPlan) -> Sequence[SeqUpdate | Exception]:
+    def step(self, plan: StepPlan, budget: CallBudget = UNBUDGETED) -> Sequence[SeqUpdate | Exception]:
         """Advance every live hypothesis of the planned sequences by one token; one update per sequence.
         A sequence whose update has ``results`` is finished and forgotten by the backend."""
         ...

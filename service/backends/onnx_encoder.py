@@ -42,7 +42,7 @@ from relserve.models.onnx.tolerance import Agreement
 from ..config import ModelConfig
 from ..errors import ConfigError
 from . import precision
-from .base import TASK_CLASSIFICATION, TASK_QA, ModelMeta
+from .base import TASK_CLASSIFICATION, TASK_QA, UNBUDGETED, CallBudget, EncoderBackendDefaults, ModelMeta
 from .graph_cache import GraphMismatch, ParityMismatch, check_graph_origin, load_graphs
 from .onnx_session import ONNX_DTYPE_REASON, open_with_native_fallback, provider_device, select_providers
 from .padding import WarmupEncoding, pad_batch, probe_encodings
@@ -50,12 +50,13 @@ from .padding import WarmupEncoding, pad_batch, probe_encodings
 log = logging.getLogger(__name__)
 
 
-class OnnxBackend:
+class OnnxBackend(EncoderBackendDefaults):
     """Encoder backend over an exported ONNX graph; the contract is :class:`relserve.service.backends.base.Backend`."""
 
     name = "onnxruntime"
     is_padded = True
     max_batch_size: int | None = None
+    can_probe = True
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
@@ -256,7 +257,8 @@ class OnnxBackend:
         run_bound(self.session, {k: torch.from_numpy(v).to(dev) for k, v in feeds.items()}, outs)
         return [o.cpu().numpy() for o in outs.values()]
 
-    def run(self, batch: Sequence[Any]) -> list[Any]:
+    def run(self, batch: Sequence[Any], budget: CallBudget = UNBUDGETED) -> list[Any]:
+        """One batch; ``budget`` is not read (ONNX Runtime's pool is sized once, when the session is made)."""
         if self.session is None or self.meta is None:
             raise RuntimeError("run() before load()")
         lengths = [len(item.input_ids) for item in batch]

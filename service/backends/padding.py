@@ -41,7 +41,7 @@ class WarmupEncoding:
 def probe_encodings(tokenizer: Any, lengths: Sequence[int]) -> list[WarmupEncoding]:
     """Synthetic encodings of exactly ``lengths`` tokens each (``[CLS] 5 5 ... [SEP]``, the tokenizer's own
     special ids), the probe batches that fit a backend's batch cost model at warm-up
-    (``relserve.service.compute.calibrate``)."""
+    (``relserve.service.scheduling.cost_model.calibrate``)."""
     cls_id = int(getattr(tokenizer, "cls_token_id", 1) or 1)
     sep_id = int(getattr(tokenizer, "sep_token_id", 2) or 2)
     return [WarmupEncoding(([cls_id] + [5] * (n - 2) + [sep_id]) if n >= 2 else [cls_id]) for n in lengths]

@@ -38,11 +38,11 @@ import numpy as np
 import torch
 
 from relserve.models import qa_spans
+from relserve.models.label_scores import apply_function, default_function
 from relserve.models.decode_types import DecodeOptions
 
 from ..config import DTYPE_GATE_MIN_ITEMS, ModelConfig
 from ..cpu_features import bf16_support
-from ..tasks import classify
 from .base import TASK_CLASSIFICATION, TASK_QA, TASK_TRANSLATION, StartItem, StepPlan
 
 log = logging.getLogger(__name__)
@@ -277,14 +277,11 @@ def _run_all(run: Callable[[list[Any]], list[Any]], units: Sequence[Any], config
 
 
 def label_probabilities(logits: np.ndarray, problem_type: str | None) -> np.ndarray:
-    """The probabilities the gate compares for one item's logits: the model's default scores function
-    (:func:`relserve.service.tasks.classify.default_function`: sigmoid for multi-label or one logit), softmax
-    when that is ``none``."""
+    """The probabilities the gate compares for one item's logits ``Float[num_labels]``: the model's default
+    scores function (:func:`relserve.models.label_scores.default_function`: sigmoid for multi-label or one
+    logit), softmax when that is ``none``."""
     x = np.asarray(logits, dtype=np.float64).reshape(-1)
-    if classify.default_function(problem_type, x.size) == "sigmoid":
-        return 1.0 / (1.0 + np.exp(-x))
-    e = np.exp(x - x.max())
-    return e / e.sum()
+    return apply_function(x, "sigmoid" if default_function(problem_type, x.size) == "sigmoid" else "softmax")
 
 
 def encoder_outcomes(task: str, items: Sequence[dict[str, str]], *, tokenizer: Any, run: Callable, config: ModelConfig,
@@ -293,10 +290,12 @@ def encoder_outcomes(task: str, items: Sequence[dict[str, str]], *, tokenizer: A
     contract): classification ``(argmax label, label probabilities)``; QA ``((start, end) characters of the
     best span, [its score])`` from the server's own span search over all windows of the item."""
     if task == TASK_CLASSIFICATION:
+        # the classify task's truncation: longest-first at max_seq_len, lowered to a real model_max_length
+        limit = max_seq_len if tokenizer.model_max_length is None else min(max_seq_len, tokenizer.model_max_length)
         encodings = []
         for it in items:  # one at a time: items with and without a pair may mix
-            encodings += classify.preprocess(tokenizer, [it["text"]], [it["text_pair"]] if "text_pair" in it
-                                             else None, max_seq_len)
+            encodings += tokenizer.batch_encode([it["text"]], [it["text_pair"]] if "text_pair" in it else None,
+                                                max_length=limit)
         out = []
         for logits in _run_all(run, encodings, config):
             p = label_probabilities(logits, problem_type)

@@ -14,7 +14,7 @@ DEFAULT_THREADS = torch.get_num_threads()
 
 def use_threads(configured: int) -> None:
     """Give the calling thread ``configured`` torch intra-op threads (0: :data:`DEFAULT_THREADS`); the
-    backends pass the model's ``torch_intra_op_threads``, else ``compute.thread_share()``.
+    backends pass the model's ``torch_intra_op_threads``, else their call budget's ``threads()``.
 
     OpenMP keeps the thread count per calling thread, so each model's backend thread can have its own; but
     ``torch.set_num_threads`` also sets the default that threads adopt on their first torch op, so a backend

@@ -13,10 +13,9 @@ import torch
 from relserve.models.checkpoint import load_checkpoint
 from relserve.models.deberta import set_unpadded
 
-from .. import compute
 from ..config import ModelConfig, check_dtype_for_device
 from ..errors import ConfigError
-from .base import TASK_CLASSIFICATION, TASK_QA, ModelMeta
+from .base import TASK_CLASSIFICATION, TASK_QA, UNBUDGETED, CallBudget, EncoderBackendDefaults, ModelMeta
 from . import precision
 from .padding import WarmupEncoding, pad_batch, probe_encodings
 from .torch_device import DTYPES, cuda_memory_stats, release_cuda_cache, resolve_device, use_threads
@@ -25,12 +24,13 @@ from .torch_yield import add_yield_points
 log = logging.getLogger(__name__)
 
 
-class TorchBackend:
+class TorchBackend(EncoderBackendDefaults):
     """Encoder backend over ``load_checkpoint``; the contract is :class:`relserve.service.backends.base.Backend`."""
 
     name = "torch"
     is_padded = True
     max_batch_size: int | None = None
+    can_probe = True
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
@@ -44,6 +44,7 @@ class TorchBackend:
         self._pad_id = 0
         self._use_token_type = False
         self._lock = threading.Lock()  # one batch at a time even if someone shares the instance
+        self._budget = UNBUDGETED  # the running call's (its yield points read it)
 
     # -------------------------------------------------------------- contract
 
@@ -62,7 +63,7 @@ class TorchBackend:
             log.info("model %r: DeBERTa unpadded execution %s (torch_unpadded)", self.config.name,
                      "on" if self.config.torch_unpadded else "off")
         # a long QA batch can hand the cores to another model (or shrink to its share) between sub-layers
-        add_yield_points(self.model, threads=self.config.torch_intra_op_threads)
+        add_yield_points(self.model, lambda: self._budget, threads=self.config.torch_intra_op_threads)
         self._pad_id = int(getattr(tok, "pad_token_id", 0) or 0)
         self._use_token_type = int(getattr(cfg, "type_vocab_size", 0) or 0) > 0
         if ckpt.task not in (TASK_CLASSIFICATION, TASK_QA):
@@ -135,27 +136,37 @@ class TorchBackend:
             raise RuntimeError("probe_batch() before load()")
         return probe_encodings(self.meta.tokenizer, lengths)
 
-    def run(self, batch: Sequence[Any]) -> list[Any]:
+    def run(self, batch: Sequence[Any], budget: CallBudget = UNBUDGETED) -> list[Any]:
         if self.model is None or self.meta is None:
             raise RuntimeError("run() before load()")
         ids, mask, types = pad_batch(batch, self._pad_id)
         lengths = [len(item.input_ids) for item in batch]
-        use_threads(self.config.torch_intra_op_threads or compute.thread_share())
+        use_threads(self.config.torch_intra_op_threads or budget.threads())
         with self._lock, torch.inference_mode():
-            kwargs = {
-                "input_ids": torch.from_numpy(ids).to(self.device),
-                "attention_mask": torch.from_numpy(mask).to(self.device),
-            }
-            if self._use_token_type:
-                kwargs["token_type_ids"] = torch.from_numpy(types).to(self.device)
-            out = self.model(**kwargs)
-            if self.meta.task == TASK_QA:
-                start, end = out[0], out[1]
-                start_np = start.float().cpu().numpy()
-                end_np = end.float().cpu().numpy()
-                return [(start_np[i, :n].copy(), end_np[i, :n].copy()) for i, n in enumerate(lengths)]
-            logits = (out[0] if isinstance(out, (tuple, list)) else out).float().cpu().numpy()
-            return [logits[i].copy() for i in range(len(batch))]
+            self._budget = budget
+            try:
+                return self._forward(batch, ids, mask, types, lengths)
+            finally:
+                self._budget = UNBUDGETED
+
+    def _forward(self, batch: Sequence[Any], ids: Any, mask: Any, types: Any,
+                 lengths: list[int]) -> list[Any]:
+        """One forward pass (inside ``run``: its lock, inference mode and budget held)."""
+        assert self.meta is not None
+        kwargs = {
+            "input_ids": torch.from_numpy(ids).to(self.device),
+            "attention_mask": torch.from_numpy(mask).to(self.device),
+        }
+        if self._use_token_type:
+            kwargs["token_type_ids"] = torch.from_numpy(types).to(self.device)
+        out = self.model(**kwargs)
+        if self.meta.task == TASK_QA:
+            start, end = out[0], out[1]
+            start_np = start.float().cpu().numpy()
+            end_np = end.float().cpu().numpy()
+            return [(start_np[i, :n].copy(), end_np[i, :n].copy()) for i, n in enumerate(lengths)]
+        logits = (out[0] if isinstance(out, (tuple, list)) else out).float().cpu().numpy()
+        return [logits[i].copy() for i in range(len(batch))]
 
     def memory_stats(self) -> dict[str, tuple[int, int, int]]:
         return cuda_memory_stats(self.device)

@@ -1,32 +1,32 @@
-"""Yield points inside a torch model's forward: where a long backend call may hand the cores to another
-model's waiting call (``relserve.service.compute.yield_point``; the scheduler decides, this only marks the
-places)."""
+"""Yield points inside a torch model's forward: where a long backend call runs its :class:`.base.CallBudget`'s
+layer hook (the scheduler decides whether to hand the cores to another model; this only marks the places)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from .. import compute
+from .base import CallBudget
 from .torch_device import use_threads
 
 
-def add_yield_points(model: torch.nn.Module, threads: int = 0, depth: int = 2) -> int:
+def add_yield_points(model: torch.nn.Module, budget: Callable[[], CallBudget], threads: int = 0,
+                     depth: int = 2) -> int:
     """Register a forward pre-hook on every item of every ``nn.ModuleList`` of ``model`` (the encoder
     layers) and on their sub-modules down to ``depth`` levels (a DeBERTa layer: attention, its
-    self-attention and output, the feed-forward halves). The hook calls
-    :func:`relserve.service.compute.yield_point` (``fair``: hand the cores to a waiting model) and, unless
-    ``threads`` (the model's ``torch_intra_op_threads``) fixes the count, follows
-    :func:`relserve.service.compute.thread_share` (``partition``: a call that began alone shrinks to its
-    share as soon as another model computes). Both are a few attribute reads when nothing changes.
-    Returns the number of hooks."""
+    self-attention and output, the feed-forward halves). The hook reads ``budget()`` (the running call's
+    :class:`.base.CallBudget`), runs its ``layer_hook`` (``fair``: hand the cores to a waiting model) and,
+    unless ``threads`` (the model's ``torch_intra_op_threads``) fixes the count, follows its ``threads``
+    (``partition``: a call that began alone shrinks to its share as soon as another model computes). Both
+    are a few attribute reads when nothing changes. Returns the number of hooks."""
     hooked: set[int] = set()
 
     def pre_hook(_module: torch.nn.Module, _args: Any) -> None:
-        compute.yield_point()
+        current = budget()
+        current.layer_hook()
         if not threads:
-            use_threads(compute.thread_share())
+            use_threads(current.threads())
 
     def hook(module: torch.nn.Module, level: int) -> None:
         if id(module) not in hooked:

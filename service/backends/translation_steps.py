@@ -23,9 +23,8 @@ from relserve.models.decode_types import DecodeOptions, Hypothesis
 from relserve.models.decoding import BeamState, StepBatch, apply_step, build_step, start_beams
 from relserve.models.rnnsearch import EncoderState
 
-from .. import compute
 from ..errors import Internal
-from .base import SeqUpdate, StartItem, StepPlan
+from .base import UNBUDGETED, BackendDefaults, CallBudget, SeqUpdate, StartItem, StepPlan
 from .torch_device import cuda_memory_stats, release_cuda_cache, use_threads
 
 
@@ -169,7 +168,7 @@ def _plain(h: Hypothesis) -> Hypothesis:
     return dataclasses.replace(h, alignment=h.alignment.float().cpu().numpy().astype(np.float32))
 
 
-class SteppedBackend:
+class SteppedBackend(BackendDefaults):
     """The step contract and lifecycle tail both translation backends share, over their :class:`BeamStepper`.
 
     A backend sets ``config`` (its ``ModelConfig``), ``device``, ``model`` and, in ``load()``, ``stepper``;
@@ -202,12 +201,12 @@ class SteppedBackend:
             raise RuntimeError(f"model {self.config.name!r}: translation backend used before load()")
         return self.stepper
 
-    def start(self, items: Sequence[StartItem]) -> list[int | Exception]:
-        use_threads(self.config.torch_intra_op_threads or compute.thread_share())
+    def start(self, items: Sequence[StartItem], budget: CallBudget = UNBUDGETED) -> list[int | Exception]:
+        use_threads(self.config.torch_intra_op_threads or budget.threads())
         return self._stepper().start(items)
 
-    def step(self, plan: StepPlan) -> list[SeqUpdate | Exception]:
-        use_threads(self.config.torch_intra_op_threads or compute.thread_share())
+    def step(self, plan: StepPlan, budget: CallBudget = UNBUDGETED) -> list[SeqUpdate | Exception]:
+        use_threads(self.config.torch_intra_op_threads or budget.threads())
         return self._stepper().step(plan)
 
     def release(self, seq_ids: Sequence[int]) -> None:

@@ -5,14 +5,14 @@ Why: in one process the model's compute and the gRPC event loop share one GIL. A
 the GIL back after every op (a DeBERTa-base forward is a few thousand ops), so under overload the loop
 refusing a thousand calls a second slows every batch, and the process cannot use more than about one
 core: 64 clients retrying after a fixed 50 ms kept the default sentiment model at 0.32-0.60 of its capacity
-on the 2-core machine (``loadtest/bench_hostile.py --only overload``) with the server at 0.98 cores and a
+on the 2-core machine (``loadtest/bench/hostile.py --only overload``) with the server at 0.98 cores and a
 third of the machine idle. With the model in its own process each side has its own GIL; Triton's Python
 backend runs each model instance in a stub process for the same reason.
 
 What crosses the pipe (``multiprocessing`` spawn context, pickled): the batch as plain token ids
-(:class:`WireItem`), the intra-op thread count the compute scheduler gives this call
-(``compute.thread_share()`` in the parent, applied in the child with :func:`relserve.service.compute.
-set_thread_share`), and back the per-item results (numpy arrays or Exceptions) with the child's resident
+(:class:`WireItem`), the intra-op thread count the compute scheduler gives this call (the ``threads`` of the
+call's :class:`.base.CallBudget` in the parent, a :meth:`.base.CallBudget.fixed` budget of the child's backend
+call), and back the per-item results (numpy arrays or Exceptions) with the child's resident
 memory and accelerator memory stats. Per batch this costs well under a millisecond (token ids and a few
 logits).
 
@@ -40,10 +40,9 @@ import signal
 import threading
 from typing import Any, Sequence
 
-from .. import compute
 from ..config import ModelConfig
 from ..errors import Internal
-from .base import ModelMeta
+from .base import UNBUDGETED, CallBudget, EncoderBackendDefaults, ModelMeta
 from .heap import trim_heap
 
 log = logging.getLogger(__name__)
@@ -151,13 +150,13 @@ def _child_main(conn: Any, config: ModelConfig, module: str, cls: str, log_level
             if op == "load":
                 backend = getattr(importlib.import_module(module), cls)(dataclasses.replace(config, worker_process=False))
                 meta = _without_tokenizer(backend.load())
-                value: Any = (meta, bool(backend.is_padded), backend.max_batch_size, hasattr(backend, "probe_batch"))
+                value: Any = (meta, bool(backend.is_padded), backend.max_batch_size, bool(backend.can_probe))
             elif op == "warmup":
                 value = _without_tokenizer(backend.warmup())
             elif op == "run":
                 threads, items = args
-                compute.set_thread_share(threads)
-                value = [r if not isinstance(r, BaseException) else _picklable(r) for r in backend.run(items)]
+                value = [r if not isinstance(r, BaseException) else _picklable(r)
+                         for r in backend.run(items, CallBudget.fixed(threads))]
             elif op == "trim":
                 value = trim_heap()
             elif op == "probe_batch":
@@ -180,7 +179,7 @@ def _child_main(conn: Any, config: ModelConfig, module: str, cls: str, log_level
             conn.send(("error", Internal(f"worker reply could not be sent: {type(exc).__name__}: {exc}"), stats()))
 
 
-class WorkerBackend:
+class WorkerBackend(EncoderBackendDefaults):
     """The encoder :class:`relserve.service.backends.base.Backend` contract, computed in a child process (see
     the module docstring). Every call except ``memory_stats`` and ``close`` comes from the model's executor
     thread, one at a time, as for any backend.
@@ -196,6 +195,7 @@ class WorkerBackend:
 
     is_padded = True
     max_batch_size: int | None = None
+    worker_processes = True
 
     def __init__(self, config: ModelConfig, module: str, cls: str) -> None:
         self.config = config
@@ -306,16 +306,23 @@ class WorkerBackend:
         return warmed
 
     @property
-    def probe_batch(self) -> Any:
-        """The child backend's ``probe_batch(lengths)`` (``Backend.probe_batch``), forwarded; AttributeError
-        when the child's backend has none (so ``getattr(backend, "probe_batch", None)`` is None, as in-process)."""
-        if not self._has_probe:
-            raise AttributeError("probe_batch")
-        return lambda lengths: self._call("probe_batch", list(lengths))
+    def can_probe(self) -> bool:  # type: ignore[override]
+        """Whether the child's backend makes probe batches (known once loaded)."""
+        return self._has_probe
 
-    def run(self, batch: Sequence[Any], threads: int | None = None) -> list[Any]:
-        """Compute ``batch`` in the child (restarted first if it died), with ``threads`` intra-op threads (None:
-        ``compute.thread_share()`` of the calling thread, as the scheduler gave this call)."""
+    def probe_batch(self, lengths: Sequence[int]) -> list[Any]:
+        """The child backend's ``probe_batch(lengths)`` (``Backend.probe_batch``), forwarded.
+
+        Raises:
+            NotImplementedError: the child's backend makes none (``can_probe`` is false).
+        """
+        if not self._has_probe:
+            return super().probe_batch(lengths)
+        return self._call("probe_batch", list(lengths))
+
+    def run(self, batch: Sequence[Any], budget: CallBudget = UNBUDGETED) -> list[Any]:
+        """Compute ``batch`` in the child (restarted first if it died), with the intra-op threads ``budget``
+        grants when the call starts (the child cannot hand the cores over: no layer hook crosses the pipe)."""
         if self._closed:
             raise Internal(f"model {self.config.name!r}: closed")
         if self._conn is not None and not self._process.is_alive():  # died while idle: no batch lost
@@ -326,7 +333,7 @@ class WorkerBackend:
             self._load_in_child()
             if self._warmed:
                 self._call("warmup", timeout=START_TIMEOUT_S)
-        return self._call("run", compute.thread_share() if threads is None else threads, to_wire(batch))
+        return self._call("run", budget.threads(), to_wire(batch))
 
     def process_stats(self) -> tuple[float, int] | None:
         """``(cpu seconds, resident bytes)`` of the running worker process, read from /proc now (the

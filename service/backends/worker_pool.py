@@ -5,7 +5,7 @@ call's intra-op threads.
 Why: on a small CPU, one process with two intra-op threads runs a short-sentence batch slower than two
 processes with one thread each on its halves. Each op's Python dispatch is serial in one process, and a
 DeBERTa forward is thousands of small ops (LayerNorm, softmax, gathers) whose thread hand-off costs about
-what they compute. Measured with ``loadtest/bench_instances.py`` on the 2-core machine (v3-small-shaped
+what they compute. Measured with ``loadtest/bench/instances.py`` on the 2-core machine (v3-small-shaped
 classifier, 11-text calls): 1 process x 2 threads 177.5 texts/s, 2 processes x 1 thread 231.3 (1.30x).
 Triton's ``instance_group { count: N }`` on CPU is the same idea; here the instances share one queue and one
 batcher, and a formed batch is divided between them instead of each instance taking batches of its own, so
@@ -26,10 +26,10 @@ import dataclasses
 import logging
 from typing import Any, Sequence
 
-from .. import compute
+from ..cpu_features import available_cores
 from ..config import ModelConfig
 from ..errors import Internal
-from .base import ModelMeta
+from .base import UNBUDGETED, CallBudget, EncoderBackendDefaults, ModelMeta
 from .worker import WorkerBackend
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def split_parts(lengths: Sequence[int], parts: int) -> list[list[int]]:
     return groups
 
 
-class WorkerPool:
+class WorkerPool(EncoderBackendDefaults):
     """The encoder :class:`relserve.service.backends.base.Backend` contract over ``config.instances`` worker
     processes (:class:`.worker.WorkerBackend` each; see the module docstring). Calls come from the model's
     executor thread one at a time, as for any backend; the parts of one call run in this pool's own threads.
@@ -93,6 +93,8 @@ class WorkerPool:
     :class:`Internal` when the children decided different dtypes (``dtype: auto``; never seen, since they
     run the same gate on the same weights and text).
     """
+
+    worker_processes = True
 
     def __init__(self, config: ModelConfig, module: str, cls: str) -> None:
         self.config = config
@@ -126,9 +128,12 @@ class WorkerPool:
         return [w.pid for w in self.workers]
 
     @property
-    def probe_batch(self) -> Any:
-        """The first child's ``probe_batch(lengths)`` (AttributeError when its backend has none)."""
-        return self.workers[0].probe_batch
+    def can_probe(self) -> bool:  # type: ignore[override]
+        return self.workers[0].can_probe
+
+    def probe_batch(self, lengths: Sequence[int]) -> list[Any]:
+        """The first child's ``probe_batch(lengths)`` (NotImplementedError when its backend has none)."""
+        return self.workers[0].probe_batch(lengths)
 
     # ------------------------------------------------------------- contract
 
@@ -171,15 +176,15 @@ class WorkerPool:
             self.meta = warmed
         return warmed
 
-    def run(self, batch: Sequence[Any]) -> list[Any]:
+    def run(self, batch: Sequence[Any], budget: CallBudget = UNBUDGETED) -> list[Any]:
         """Compute ``batch`` in up to ``instances`` parts at once (:func:`split_parts`); returns one result or
-        one Exception per item, in order. The call's thread share (``compute.thread_share()``, all cores
-        outside ``partition``) bounds the parts, and each part's process gets ``share // parts`` threads."""
+        one Exception per item, in order. The call's thread share (``budget.threads()``, all cores outside
+        ``partition``) bounds the parts, and each part's process gets ``share // parts`` threads."""
         items = list(batch)
-        share = self._fixed_threads or compute.thread_share() or compute.available_cores()
+        share = self._fixed_threads or budget.threads() or available_cores()
         parts = split_parts([_length(x) for x in items], min(len(self.workers), share))
         threads = max(1, share // max(1, len(parts)))
-        futures = [self._threads.submit(w.run, [items[i] for i in part], threads)
+        futures = [self._threads.submit(w.run, [items[i] for i in part], CallBudget.fixed(threads))
                    for w, part in zip(self.workers, parts)]
         out: list[Any] = [None] * len(items)
         for part, future in zip(parts, futures):

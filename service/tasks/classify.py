@@ -1,4 +1,6 @@
-"""Sequence classification: the request validated once, tokenization in, (label, score) pairs out.
+"""Sequence classification end to end: the request validated once (:func:`validate_classify`,
+:func:`validate_function`), admission, tokenization, the batcher, and (label, score) pairs out
+(:func:`classify`, which every frontend calls and whose :class:`ClassifyItem` list every frontend encodes).
 
 Scores as transformers' ``TextClassificationPipeline`` computes them (its ``postprocess``): a per-request
 ``function_to_apply`` (``softmax`` | ``sigmoid`` | ``none``), else the model's default picked the pipeline's
@@ -9,30 +11,18 @@ saved with ``num_labels=1`` and no ``problem_type``; TEI's rerank does the same)
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from relserve.models.label_scores import FUNCTIONS, apply_function, default_function
 from relserve.models.tokenization import Encoding, Tokenizer
+from relserve.service.backends.base import TASK_CLASSIFICATION
 from relserve.service.errors import Internal, InvalidArgument
 from relserve.service.tasks.limits import check_request_size
 from relserve.service.tasks.text import is_blank
-
-
-FUNCTIONS = ("softmax", "sigmoid", "none")  # ClassifyRequest.function_to_apply, as the pipeline's
-
-
-def default_function(problem_type: str | None, num_labels: int) -> str:
-    """The function the transformers text-classification pipeline applies when none is asked for:
-    ``"none"`` for regression, ``"sigmoid"`` for multi-label or one-label models, else ``"softmax"``
-    (the pipeline's order of checks; a model with no labels at all gets ``"none"``, as its fallback)."""
-    if problem_type == "regression":
-        return "none"
-    if problem_type == "multi_label_classification" or num_labels == 1:
-        return "sigmoid"
-    if problem_type == "single_label_classification" or num_labels > 1:
-        return "softmax"
-    return "none"
+from relserve.service.tasks.timings import Timings
 
 
 def validate_function(function_to_apply: object) -> str | None:
@@ -158,16 +148,63 @@ def postprocess(
         raise Internal(f"the model returned non-finite logits {x.tolist()}")
     id2label = id2label or {}
     function = function_to_apply or default_function(problem_type, x.size)
-    if function == "sigmoid":
-        scores = 1.0 / (1.0 + np.exp(-x))
-    elif function == "none":
-        scores = x
-    elif function == "softmax":
-        e = np.exp(x - x.max())
-        scores = e / e.sum()
-    else:
+    if function not in FUNCTIONS:
         raise Internal(f"unknown function_to_apply {function!r} reached postprocess")
+    scores = apply_function(x, function)
     order = np.argsort(-scores, kind="stable")
     if top_k:
         order = order[:top_k]
     return [(_label(id2label, int(i)), float(scores[i])) for i in order]
+
+
+@dataclass
+class ClassifyItem:
+    """One text's result: ``(label, score)`` pairs best first, whether it was truncated, its token count."""
+
+    labels: list[tuple[str, float]]
+    truncated: bool
+    num_tokens: int
+
+
+def model_default_function(runner: Any) -> str:
+    """The scores' default function of a loaded classification model (:func:`default_function`), "" for a
+    model of another task or not loaded yet (relserve.v1 ListModels' ``function_to_apply``)."""
+    m = runner.meta
+    return default_function(m.problem_type, len(m.labels)) if m and m.task == TASK_CLASSIFICATION else ""
+
+
+async def classify(runner: Any, texts: Sequence[str], pairs: Sequence[str] | None, top_k: int,
+                   deadline: float | None,
+                   function_to_apply: str | None = None) -> tuple[list[ClassifyItem], Timings]:
+    """Classify validated texts (and pairs) on ``runner`` (a ready encoder model,
+    ``relserve.service.runner.ModelRunner``): one item per text, in order; ``function_to_apply`` (checked by
+    :func:`validate_function`; None: the model's default) turns logits into scores.
+
+    Admission before work: the request's places (one per text) are reserved in the batcher before any
+    tokenizing, so a full queue refuses it (RESOURCE_EXHAUSTED) at no tokenizing cost; the reservation
+    is released on any error or cancellation.
+
+    Raises:
+        Unavailable: the model is not ready.
+        InvalidArgument: ``max_seq_len`` too small for a text or pair (:func:`preprocess`).
+        RelserveError: from the batcher (queue full, deadline, shutting down, model failure).
+    """
+    batcher = runner.check_ready()
+    meta = runner.meta
+    timings = Timings()
+    with batcher.reserve(len(texts), deadline) as reservation:
+        encodings, timings.tokenization_s = await runner.tokenize(
+            preprocess, meta.tokenizer, list(texts), list(pairs) if pairs else None, runner.max_seq_len,
+        )
+        units = batcher.submit([(len(e.input_ids), e) for e in encodings], deadline, reservation)
+    units = await batcher.wait(units, deadline)
+    timings.add_units(units)
+    id2label = {i: label for i, label in enumerate(meta.labels)}
+    items = []
+    for enc, unit in zip(encodings, units):
+        items.append(ClassifyItem(
+            labels=postprocess(unit.result, id2label, meta.problem_type, top_k, function_to_apply),
+            truncated=bool(getattr(enc, "truncated", False)),
+            num_tokens=len(enc.input_ids),
+        ))
+    return items, timings

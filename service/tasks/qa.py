@@ -1,21 +1,33 @@
-"""Extractive question answering: the Answer request validated once, its defaults resolved.
+"""Extractive question answering end to end: the Answer request validated once, its defaults resolved
+(:func:`validate_answer`, :func:`validate_for`), the window estimate reserved in the batcher, the windows
+built (``Tokenizer.qa_windows``), the batcher, and the answers searched (:func:`answer`, :func:`answer_all`).
 
-The request is checked once, here (:func:`validate_answer`), before any tokenizing. Span search, SQuAD 2.0
-null score and answer scores are :mod:`relserve.models.qa_spans` (the one search, also used by the QA
-trainer's evaluation); the runner reports a model output it cannot search as INTERNAL.
+The request is checked once, before any tokenizing. Span search, SQuAD 2.0 null score and answer scores are
+:mod:`relserve.models.qa_spans` (the one search, also used by the QA trainer's evaluation); a model output
+it cannot search is INTERNAL.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
-from relserve.service.errors import InvalidArgument
+import numpy as np
+
+from relserve.models import qa_spans
+from relserve.models.tokenization import DocStrideTooLarge, TooManyWindows, qa_window_count
+from relserve.service.errors import Internal, InvalidArgument
 from relserve.service.tasks.limits import check_request_size
 from relserve.service.tasks.text import is_blank
+from relserve.service.tasks.timings import Timings
 
 
 MAX_TOP_K = 20  # answers per question
+# Characters per token assumed when estimating a QA request's windows from its length, before tokenizing (for
+# the queue reservation; prose runs about 4-5 per token with the default vocabularies).
+QA_ESTIMATE_CHARS_PER_TOKEN = 4
 
 
 @dataclass(frozen=True)
@@ -81,3 +93,123 @@ def validate_answer(question: object, context: object, *, top_k: int, max_answer
     words = default_align_to_words if align_to_words is None else bool(align_to_words)
     return AnswerOptions(k, length, stride, bool(allow_impossible), threshold, stride_is_default=not doc_stride,
                          align_to_words=words)
+
+
+def validate_for(runner: Any, question: object, context: object, *, top_k: int, max_answer_len: int,
+                 doc_stride: int, allow_impossible: bool, null_threshold: float | None,
+                 align_to_words: bool | None) -> AnswerOptions:
+    """:func:`validate_answer` against ``runner``'s limits and config defaults (``max_seq_len``,
+    ``max_answer_len``, ``doc_stride``, ``max_request_chars``, ``align_to_words``)."""
+    cfg = runner.config
+    return validate_answer(
+        question, context, top_k=top_k, max_answer_len=max_answer_len, doc_stride=doc_stride,
+        allow_impossible=allow_impossible, null_threshold=null_threshold, max_seq_len=runner.max_seq_len,
+        default_max_answer_len=cfg.max_answer_len, default_doc_stride=cfg.doc_stride,
+        max_chars=cfg.max_request_chars, model=runner.name, align_to_words=align_to_words,
+        default_align_to_words=cfg.align_to_words,
+    )
+
+
+@dataclass
+class AnswerItem:
+    """One answer: its text, character offsets in the context (end exclusive), score, and whether it is the
+    SQuAD 2.0 "no answer"."""
+
+    text: str
+    start: int
+    end: int
+    score: float
+    is_impossible: bool = False
+
+
+@dataclass
+class AnswerResult:
+    """A question's answers (best first), the windows its context took, and its timings."""
+
+    answers: list[AnswerItem]
+    num_windows: int
+    timings: Timings = field(default_factory=Timings)
+
+
+def estimated_windows(runner: Any, question: str, context: str, doc_stride: int) -> int:
+    """The windows a QA request will need, from its lengths alone (``QA_ESTIMATE_CHARS_PER_TOKEN``), at
+    most ``max_qa_windows``: what :func:`answer` reserves before tokenizing."""
+    max_seq_len = runner.max_seq_len
+    max_q = (max_seq_len - 3) // 2
+    room = max_seq_len - 3 - min(max_q, max(1, len(question) // QA_ESTIMATE_CHARS_PER_TOKEN))
+    step = room - min(doc_stride, room // 2)
+    tokens = len(context) // QA_ESTIMATE_CHARS_PER_TOKEN
+    return min(runner.config.max_qa_windows, qa_window_count(tokens, room, step))
+
+
+def _windows(tokenizer: Any, question: str, context: str, max_seq_len: int, doc_stride: int, *,
+             max_windows: int | None, clamp_stride: bool) -> list[Any]:
+    return tokenizer.qa_windows(question, context, max_seq_len, doc_stride, max_windows=max_windows,
+                                clamp_stride=clamp_stride)
+
+
+async def answer(runner: Any, question: str, context: str, options: AnswerOptions,
+                 deadline: float | None) -> AnswerResult:
+    """Answer a validated question over ``context`` on ``runner`` (a ready QA model): stride windows of
+    ``max_seq_len`` overlapping by ``options.doc_stride`` tokens (the config's default lowered for a long
+    question when ``stride_is_default``); spans widened to whole words with ``align_to_words``.
+
+    Bounded work: the window count is estimated from the context's length and reserved in the batcher
+    before tokenizing (a full queue refuses at no cost); the tokenizer then tokenizes only as much of the
+    context as it takes to prove it needs more than ``max_qa_windows`` windows, before building any.
+
+    Raises:
+        InvalidArgument: ``doc_stride`` over this question's limit, or more than ``max_qa_windows`` windows
+            (each naming the limit).
+        Internal: non-finite logits, or logits that do not fit the windows.
+        RelserveError: from the batcher (queue full, deadline, shutting down, model failure).
+    """
+    batcher = runner.check_ready()
+    timings = Timings()
+    limit = runner.config.max_qa_windows
+    with batcher.reserve(estimated_windows(runner, question, context, options.doc_stride), deadline) as reservation:
+        try:
+            windows, timings.tokenization_s = await runner.tokenize(
+                _windows, runner.meta.tokenizer, question, context, runner.max_seq_len, options.doc_stride,
+                max_windows=limit, clamp_stride=options.stride_is_default,
+            )
+        except TooManyWindows as exc:
+            raise InvalidArgument(f"context too long for model {runner.name!r} (max_qa_windows {limit}): {exc}; "
+                                  f"send a shorter context") from None
+        except DocStrideTooLarge as exc:
+            raise InvalidArgument(f"{exc}; send a doc_stride of at most {exc.limit} (0 = the model's "
+                                  f"default)") from None
+        except ValueError as exc:  # the tokenizer's other range checks
+            raise InvalidArgument(str(exc)) from None
+        units = batcher.submit([(len(w.input_ids), w) for w in windows], deadline, reservation)
+    units = await batcher.wait(units, deadline)
+    timings.add_units(units)
+    logits = [unit.result for unit in units]
+    for start, end in logits:
+        if not (np.all(np.isfinite(start)) and np.all(np.isfinite(end))):
+            raise Internal(f"model {runner.name!r} returned non-finite start/end logits")
+    try:
+        raw = qa_spans.best_answers(
+            windows, [s for s, _ in logits], [e for _, e in logits], context,
+            top_k=options.top_k, max_answer_len=options.max_answer_len,
+            allow_impossible=options.allow_impossible, null_threshold=options.null_threshold,
+            align_to_words=options.align_to_words,
+        )
+    except ValueError as e:  # logits that do not fit the windows: a model bug, not the client's
+        raise Internal(str(e)) from None
+    return AnswerResult([AnswerItem(text=str(a.text), start=int(a.start), end=int(a.end), score=float(a.score),
+                                    is_impossible=bool(a.is_impossible)) for a in raw], len(windows), timings)
+
+
+async def answer_all(runner: Any, questions: Sequence[tuple[str, str, AnswerOptions]],
+                     deadline: float | None) -> list[AnswerResult]:
+    """:func:`answer` for each ``(question, context, options)`` concurrently; on the first failure the others
+    are cancelled (their queue places are freed) and it is raised."""
+    tasks = [asyncio.ensure_future(answer(runner, q, c, o, deadline)) for q, c, o in questions]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

@@ -1,4 +1,6 @@
-"""Translation: the request's decoding options validated once, sources in, detokenized hypotheses out.
+"""Translation end to end: the request's decoding options validated once (:func:`validate_translate`),
+admission in the decode loop, source encoding, decoding, detokenized hypotheses out (:func:`translate`,
+:func:`translate_stream`).
 
 Rules (documented in the proto):
 
@@ -16,12 +18,14 @@ Rules (documented in the proto):
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 from relserve.models.decode_types import DecodeOptions, Hypothesis
 from relserve.service.config import MAX_BEAM_SIZE, ModelConfig
-from relserve.service.errors import InvalidArgument
+from relserve.service.errors import DeadlineExceeded, InvalidArgument
 from relserve.service.tasks.limits import check_request_size
 from relserve.service.tasks.text import is_blank
 
@@ -107,3 +111,86 @@ def postprocess(tokenizer: Any, source: list[int] | None, hypotheses: Sequence[H
                            pieces=tuple(tokenizer.target_pieces(h.tokens)), alignment=alignment))
     pieces = tuple(tokenizer.source_pieces(source)) if options.return_alignment else ()
     return TranslationItem(out, len(source), pieces)
+
+
+@dataclass
+class StreamEvent:
+    """A partial best hypothesis (``final`` False) or the final result."""
+
+    text: str
+    tokens: list[str]
+    step: int
+    final: bool = False
+    result: TranslationItem | None = None
+
+
+async def _encode(runner: Any, texts: Sequence[str]) -> list[list[int] | None]:
+    """Source ids per text (None for blank ones), checked against max_source_tokens, encoded in the model's
+    tokenization threads (only as much of a text as it takes to know it is too long)."""
+    sources, _seconds = await runner.tokenize(preprocess, runner.meta.tokenizer, list(texts),
+                                              runner.config.max_source_tokens, runner.name)
+    return sources
+
+
+async def translate(runner: Any, texts: Sequence[str], options: DecodeOptions,
+                    deadline: float | None) -> list[TranslationItem]:
+    """Translate ``texts`` (already validated) with ``options`` on ``runner`` (a ready translation model,
+    ``relserve.service.runner.TranslationRunner``); one item per text, in order.
+
+    Raises:
+        InvalidArgument: a text over max_source_tokens.
+        RelserveError: from the decode loop (deadline, queue full, shutting down, model failure).
+    """
+    loop = runner.check_ready()
+    with loop.reserve(len(texts), deadline) as reservation:  # admission before encoding: one place per text
+        sources = await _encode(runner, texts)
+        work = [(i, src) for i, src in enumerate(sources) if src is not None]
+        seqs = loop.submit([(src, options) for _, src in work], deadline, reservation=reservation) if work else []
+    results: list[list[Hypothesis] | None] = [None] * len(texts)
+    if work:
+        await loop.wait(seqs, deadline)
+        for (i, _), s in zip(work, seqs):
+            results[i] = s.result
+    tok = runner.meta.tokenizer
+    return [postprocess(tok, src, hyps, options) for src, hyps in zip(sources, results)]
+
+
+async def translate_stream(runner: Any, text: str, options: DecodeOptions,
+                           deadline: float | None) -> AsyncIterator[StreamEvent]:
+    """The best live hypothesis after each decoder step (a slow reader gets the latest only), then the
+    final result; same errors as :func:`translate`."""
+    loop = runner.check_ready()
+    events: asyncio.Queue = asyncio.Queue()
+
+    def on_update(update: Any, step: int) -> None:
+        events.put_nowait((step, update.best_tokens))
+
+    with loop.reserve(1, deadline) as reservation:  # admission before encoding
+        (src,) = await _encode(runner, [text])
+        if src is not None:
+            (seq,) = loop.submit([(src, options)], deadline, on_update=on_update, reservation=reservation)
+    tok = runner.meta.tokenizer
+    if src is None:
+        yield StreamEvent(text="", tokens=[], step=0, final=True, result=postprocess(tok, None, None, options))
+        return
+    seq.future.add_done_callback(lambda _f: events.put_nowait(None))
+    try:
+        while True:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                event = await asyncio.wait_for(events.get(), timeout)
+            except asyncio.TimeoutError:
+                raise DeadlineExceeded(f"deadline exceeded while decoding (model {runner.name!r})") from None
+            while event is not None and not events.empty():  # a slow reader gets the latest only
+                event = events.get_nowait()
+            if event is None:
+                hyps = seq.result  # raises the sequence's error
+                item = postprocess(tok, src, hyps, options)
+                best = item.hypotheses[0]
+                yield StreamEvent(text=best.text, tokens=list(best.output_pieces), step=seq.steps, final=True,
+                                  result=item)
+                return
+            step, ids = event
+            yield StreamEvent(text=tok.decode_target(ids), tokens=tok.target_pieces(ids), step=step)
+    finally:
+        loop.discard([seq])

@@ -306,7 +306,7 @@ def server_defaults():
 
 
 def _load_with_real_loader(cfg: dict, tmp_path: Path):
-    """Run service/config.py's load_config on a config whose image paths point into this repo."""
+    """Run service/config's load_config on a config whose image paths point into this repo."""
     from relserve.service.config import load_config
 
     cfg = copy.deepcopy(cfg)

@@ -28,16 +28,14 @@ from relserve.service._proto import inference_pb2 as pb
 from relserve.service._proto import inference_pb2_grpc as pb_grpc
 
 from fixtures.data import jsonl, qa_rows
-from fixtures.server import defaults_server
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULTS = REPO / "defaults"
 
 
 @pytest.fixture(scope="module")
-def server():
-    with defaults_server() as running:
-        yield running
+def server(defaults_serving):
+    return defaults_serving
 
 
 def _code(fn, *args, **kwargs) -> grpc.StatusCode:

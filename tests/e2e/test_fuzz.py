@@ -20,8 +20,6 @@ from hypothesis import strategies as st
 
 from relserve.service._proto import inference_pb2 as pb
 
-from fixtures.server import defaults_server
-
 # What a client mistake, a full queue or a slow request may get; never UNKNOWN or INTERNAL.
 ALLOWED = {
     grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
@@ -56,9 +54,9 @@ SEEN: collections.Counter = collections.Counter()  # (rpc, status code name) -> 
 
 
 @pytest.fixture(scope="module")
-def server():
-    with defaults_server() as (srv, stub, channel):
-        yield srv, stub, channel, _known_answers(stub)
+def server(defaults_serving):
+    srv, stub, channel = defaults_serving
+    return srv, stub, channel, _known_answers(stub)
 
 
 def _known_answers(stub) -> tuple:

@@ -1,5 +1,5 @@
-"""Smoke test of the issue-11 CPU benchmark (loadtest/bench_cpu.py) on a tiny shape with tiny counts: every path
-runs, the rows carry real positive numbers, the FLOP count matches bench_onnx's for equal lengths, and the targets
+"""Smoke test of the issue-11 CPU benchmark (loadtest/bench/cpu.py) on a tiny shape with tiny counts: every path
+runs, the rows carry real positive numbers, the FLOP count matches onnx_encoder's for equal lengths, and the targets
 table turns the measured ratios into PASS / MISS. No timing is asserted (the script prints ratios)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from relserve.loadtest import bench_cpu, bench_onnx  # noqa: E402
+from relserve.loadtest.bench import cpu as bench_cpu, onnx_encoder as bench_onnx  # noqa: E402
 
 TINY = bench_cpu.Shape(layers=1, hidden=32, heads=2, intermediate=64, buckets=16)
 

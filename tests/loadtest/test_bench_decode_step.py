@@ -1,4 +1,4 @@
-"""loadtest/bench_decode_step.py on a tiny random RNNsearch: every figure is a real positive time, and the line
+"""loadtest/bench/decode_step.py on a tiny random RNNsearch: every figure is a real positive time, and the line
 fit is exact on collinear points. No timing is asserted (the script prints what it measured)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from relserve.loadtest import bench_decode_step as bds
+from relserve.loadtest.bench import decode_step as bds
 from relserve.models.rnnsearch import RNNSearch, RNNSearchConfig
 
 

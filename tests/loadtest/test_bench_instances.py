@@ -1,4 +1,4 @@
-"""loadtest/bench_instances.py on a tiny random checkpoint: both variants (one 2-thread process, two 1-thread
+"""loadtest/bench/instances.py on a tiny random checkpoint: both variants (one 2-thread process, two 1-thread
 processes, with the busy neighbour) run every call in spawned model processes and report a real throughput. No
 timing is asserted (the script prints what it measured)."""
 
@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("torch")
 
 from fixtures.deberta import make_deberta_checkpoint  # noqa: E402
-from relserve.loadtest import bench_instances as bi  # noqa: E402
+from relserve.loadtest.bench import instances as bi  # noqa: E402
 
 
 def test_both_variants_run_the_calls_and_report_throughput(unigram_tokenizer_dir, tmp_path):

@@ -1,4 +1,4 @@
-"""loadtest/bench_relpos.py on small shapes: every kernel it times agrees with the reference (the script checks
+"""loadtest/bench/relpos.py on small shapes: every kernel it times agrees with the reference (the script checks
 bit equality before timing and exits non-zero otherwise), by_shift is left out past the exact bucket range, and
 each row names every kernel. No timing is asserted."""
 
@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from relserve.loadtest import bench_relpos  # noqa: E402
+from relserve.loadtest.bench import relpos as bench_relpos  # noqa: E402
 
 
 def test_rows_for_each_shape_and_dtype(capsys):

@@ -1,4 +1,4 @@
-"""loadtest/gil.py: py-spy's GIL-only samples turned into seconds held by thread role. The parser runs on a
+"""loadtest/bench/gil.py: py-spy's GIL-only samples turned into seconds held by thread role. The parser runs on a
 literal sample; the sampler runs py-spy on a real child process where py-spy is installed (skipped otherwise)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from relserve.loadtest import gil
+from relserve.loadtest.bench import gil
 
 RAW = """\
 thread (0x7f01): MainThread;_run (asyncio/events.py:80);handler (service/api.py:10) 30

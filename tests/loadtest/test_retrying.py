@@ -1,5 +1,5 @@
 """loadtest/retrying.py's gRPC call floor against a real ``relserve serve`` process (fake models), and the goodput
-ceiling bench_hostile derives from it."""
+ceiling bench/hostile.py derives from it."""
 
 import pytest
 
@@ -19,7 +19,7 @@ def test_call_floor_measures_server_and_client_cpu_per_call():
 
 
 def test_goodput_ceiling_is_the_cores_left_after_the_refusals():
-    from relserve.loadtest.bench_hostile import goodput_ceiling
+    from relserve.loadtest.bench.hostile import goodput_ceiling
 
     # capacity used 1.5 server + 0.5 client cores (2.0 s of client CPU over a 4 s window)
     capacity = {"server": {"cpu_cores": 1.5}, "client_cpu_s": 2.0, "client_window_s": 4.0}
@@ -32,7 +32,7 @@ def test_goodput_ceiling_is_the_cores_left_after_the_refusals():
 def test_switch_interval_compares_medians_over_rounds_side_by_side(monkeypatch, capsys):
     import argparse
 
-    from relserve.loadtest import bench_hostile
+    from relserve.loadtest.bench import hostile as bench_hostile
 
     calls = []
 
@@ -63,7 +63,7 @@ def test_switch_interval_compares_medians_over_rounds_side_by_side(monkeypatch, 
 def test_worker_process_scenario_runs_both_modes_with_the_model_option(monkeypatch, capsys):
     import argparse
 
-    from relserve.loadtest import bench_hostile
+    from relserve.loadtest.bench import hostile as bench_hostile
 
     seen = []
 
@@ -101,7 +101,8 @@ def test_overload_queue_holds_units_or_a_number_of_requests(monkeypatch, capsys,
     8 units whatever the request size (the issue's repro)."""
     import argparse
 
-    from relserve.loadtest import bench_hostile, retrying
+    from relserve.loadtest import retrying
+    from relserve.loadtest.bench import hostile as bench_hostile
 
     started = []
 

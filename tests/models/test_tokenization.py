@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from fixtures.data import SHARED_DATA, data_path, jsonl, qa_rows
-from relserve.models.tokenization import _longest_first, load_tokenizer, train_unigram_tokenizer
-from relserve.models.training.tokenizer import corpus_lines
+from relserve.models.tokenization import load_tokenizer
+from relserve.models.tokenization.tokenizer import _longest_first
+from relserve.models.training.tokenizer import corpus_lines, train_unigram_tokenizer
 
 TOKENIZER_DIRS = ["unigram_tokenizer_dir", "spm_tokenizer_dir"]
 DEFAULTS = Path(__file__).resolve().parents[2] / "defaults"
@@ -303,7 +304,8 @@ def any_tok(request, tmp_path_factory):
 
 
 def test_cut_patterns_chosen_per_pipeline(unigram_tokenizer_dir, spm_tokenizer_dir):
-    from relserve.models.tokenization import SPACE_CUT, WORD_CUT, _cut_pattern_for
+    from relserve.models.tokenization import SPACE_CUT, WORD_CUT
+    from relserve.models.tokenization.prefix import _cut_pattern_for
 
     assert load_tokenizer(unigram_tokenizer_dir).backend.cut_pattern is WORD_CUT
     assert load_tokenizer(spm_tokenizer_dir).backend.cut_pattern is SPACE_CUT  # the model's own normaliser
@@ -470,7 +472,8 @@ def test_qa_window_limit_counts_before_building_windows(tok_dir):
 def test_translation_source_bounded_equals_whole_encoding(tmp_path):
     """encode_source_bounded == encode_source when the text fits, else a prefix of it with >= limit pieces; for a
     freshly trained source model and the default model's (when present)."""
-    from relserve.models.tokenization import TranslationTokenizer, train_sentencepiece
+    from relserve.models.tokenization import TranslationTokenizer
+    from relserve.models.training.tokenizer import train_sentencepiece
 
     from fixtures.translation import sentence_pairs
 
@@ -502,7 +505,8 @@ def _check_bounded_source(tok):
 
 
 def test_safe_cut_scans_in_chunks_without_missing_a_cut():
-    from relserve.models.tokenization import _SCAN_CHUNK, SPACE_CUT, WORD_CUT, safe_cut
+    from relserve.models.tokenization import SPACE_CUT, WORD_CUT, safe_cut
+    from relserve.models.tokenization.prefix import _SCAN_CHUNK
 
     def reference(text, limit, pattern):
         if limit >= len(text):

@@ -266,7 +266,7 @@ def test_backend_selection_for_translation(checkpoints):
 
 
 def test_translation_benchmark_runs_and_agrees(checkpoints, tmp_path):
-    from relserve.loadtest import bench_onnx_translation
+    from relserve.loadtest.bench import onnx_translation as bench_onnx_translation
 
     out = tmp_path / "bench.json"
     summary = bench_onnx_translation.main(["--model", str(checkpoints["deberta"]), "--batch", "3", "--beam", "2",

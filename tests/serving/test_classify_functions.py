@@ -41,7 +41,8 @@ def served(unigram_tokenizer_dir, tmp_path_factory):
                                           init="matrices", seed=i, **over).path
             for i, (name, (labels, over, _)) in enumerate(SHAPES.items())}
     # parity with transformers: float32, never dtype auto's bfloat16
-    common = dict(device="cpu", dtype="float32", max_seq_len=128, max_queue_delay=0.002)
+    # compute in-process: worker processes have their own tests (test_worker_process.py, test_worker_pool.py)
+    common = dict(device="cpu", dtype="float32", max_seq_len=128, max_queue_delay=0.002, worker_process=False)
     runners = [build_runner(ModelConfig(name=name, path=d, **common)) for name, d in dirs.items()]
     runners.append(build_runner(ModelConfig(name="one-onnx", path=dirs["one"], backend="onnx",
                                             onnx_cache_dir=root / "onnx-cache", onnx_intra_op_threads=1, **common)))

@@ -21,7 +21,7 @@ from fixtures.tls import make_pki
 from fixtures.translation import make_tiny_checkpoint
 from relserve.client import Client, ClientError
 from relserve.service._proto import inference_pb2 as pb
-from relserve.service.api import InferenceServicer
+from relserve.service.frontends.grpc_v1 import InferenceServicer
 from relserve.service.backends.base import TASK_QA
 from relserve.service.config import ModelConfig
 from relserve.service.registry import build_runner

@@ -24,8 +24,9 @@ from fixtures.deberta import make_deberta_checkpoint  # noqa: E402
 from fixtures.fake_serving import server_config  # noqa: E402
 from fixtures.server import Running  # noqa: E402
 from relserve.service._proto import inference_pb2 as pb  # noqa: E402
+from relserve.service.backends.base import UNBUDGETED  # noqa: E402
 from relserve.service.backends.torch_encoder import TorchBackend  # noqa: E402
-from relserve.service.compute import BatchCostModel, cost_features  # noqa: E402
+from relserve.service.scheduling.cost_model import BatchCostModel, cost_features  # noqa: E402
 from relserve.service.config import ModelConfig  # noqa: E402
 from relserve.service.runner import ModelRunner  # noqa: E402
 
@@ -40,10 +41,10 @@ class RecordingBackend(TorchBackend):
         self.recording = False
         self.calls: list[list[int]] = []
 
-    def run(self, batch):
+    def run(self, batch, budget=UNBUDGETED):
         if self.recording:
             self.calls.append([len(item.input_ids) for item in batch])
-        return super().run(batch)
+        return super().run(batch, budget)
 
 
 class PaddingIsExpensive(ModelRunner):

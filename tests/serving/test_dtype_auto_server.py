@@ -87,7 +87,8 @@ def served(tmp_path_factory, unigram_tokenizer_dir):
     few = root / "few"
     shutil.copytree(confident, few)
     (few / "calibration.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    common = dict(device="cpu", max_seq_len=128, max_queue_delay=0.002)
+    # compute in-process: worker processes have their own tests (test_worker_process.py, test_worker_pool.py)
+    common = dict(device="cpu", max_seq_len=128, max_queue_delay=0.002, worker_process=False)
     configs = [ModelConfig(name="confident", path=confident, **common),  # dtype: auto is the default
                ModelConfig(name="tied", path=tied, **common),
                ModelConfig(name="no-warmup", path=confident, warmup=False, **common),

@@ -1,4 +1,4 @@
-"""The HTTP/JSON API (service/http_api.py) of a real server on free loopback ports, driven with plain HTTP
+"""The HTTP/JSON API (service/frontends/http.py) of a real server on free loopback ports, driven with plain HTTP
 requests (urllib, as curl would send them): the relserve.v1 task routes and the KServe v2 REST routes give the
 gRPC answers for the same inputs; errors are JSON with the HTTP status of the gRPC code; limits, deadlines,
 bearer tokens, TLS, /metrics and the drain."""
@@ -44,7 +44,7 @@ class GatedBackend(FakeBackend):
         self.gate = threading.Event()
         self.started = threading.Event()
 
-    def run(self, batch):
+    def run(self, batch, budget=None):
         self.started.set()
         if not self.gate.wait(20):
             raise TimeoutError("the test never opened the gate")
@@ -523,7 +523,7 @@ def test_malformed_http_is_400_with_one_warning_line_and_no_traceback(srv, caplo
     reply = _raw_exchange(srv.server.http_port, data)
     assert reply.startswith(b"HTTP/1.") and b" 400 " in reply.split(b"\r\n", 1)[0], reply[:200]
     assert _errors_logged(caplog) == []
-    warnings = [r.getMessage() for r in caplog.records if r.name == "relserve.service.http_api"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "relserve.service.frontends.http"]
     if reason is None:
         assert warnings == []
     else:

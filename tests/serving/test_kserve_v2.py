@@ -64,7 +64,8 @@ def checkpoints(unigram_tokenizer_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def srv(checkpoints):
-    cfg = dict(device="cpu", max_seq_len=64, doc_stride=16, max_queue_delay=0.002)
+    # compute in-process: worker processes have their own tests (test_worker_process.py, test_worker_pool.py)
+    cfg = dict(device="cpu", max_seq_len=64, doc_stride=16, max_queue_delay=0.002, worker_process=False)
     runners = [build_runner(ModelConfig(name=name, path=path, **cfg)) for name, path in checkpoints.items()]
     s = Running(server_config(http_port=0), runners)
     s.wait_serving(timeout=120)

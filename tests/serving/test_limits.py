@@ -8,6 +8,7 @@ be staged."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import grpc
@@ -17,14 +18,13 @@ pytest.importorskip("torch")
 
 from fixtures.data import qa_rows  # noqa: E402
 from fixtures.deberta import make_deberta_checkpoint  # noqa: E402
-from fixtures.fake_serving import runner as fake_runner, server_config  # noqa: E402
+from fixtures.fake_serving import FakeTokenizer, runner as fake_runner, server_config  # noqa: E402
 from fixtures.server import Running  # noqa: E402
 from fixtures.translation import make_tiny_checkpoint, sentence_pairs  # noqa: E402
 from relserve.models.tokenization import load_tokenizer, qa_window_count  # noqa: E402
 from relserve.service._proto import inference_pb2 as pb  # noqa: E402
 from relserve.service.config import MIB, ModelConfig  # noqa: E402
 from relserve.service.registry import build_runner  # noqa: E402
-from relserve.service.runner import DefaultTaskProcessing  # noqa: E402
 
 MAX_SEQ_LEN = 128
 QUESTION = "Where does Ann live?"
@@ -36,16 +36,23 @@ def _prose(n_chars: int) -> str:
     return (text + " ") * (n_chars // (len(text) + 1)) + text[: n_chars % (len(text) + 1)]
 
 
-class _SlowCountingTokenization(DefaultTaskProcessing):
+class _SlowCountingTokenizer(FakeTokenizer):
     """Tokenization that takes 0.5 s and counts its calls (to see that a refused request was not tokenized)."""
 
     def __init__(self) -> None:
         self.calls = 0
 
-    def classify_preprocess(self, tokenizer, texts, pairs, max_seq_len):
+    def batch_encode(self, texts, pairs=None, max_length=None):
         self.calls += 1
         time.sleep(0.5)
-        return super().classify_preprocess(tokenizer, texts, pairs, max_seq_len)
+        return super().batch_encode(texts, pairs, max_length)
+
+
+def _with_tokenizer(runner, tokenizer):
+    """``runner`` whose fake backend loads with ``tokenizer``."""
+    load = runner.backend.load
+    runner.backend.load = lambda: dataclasses.replace(load(), tokenizer=tokenizer)
+    return runner
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +69,10 @@ def checkpoints(unigram_tokenizer_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def srv(checkpoints):
-    common = dict(device="cpu", max_seq_len=MAX_SEQ_LEN, max_queue_delay=0.002)
-    slow = fake_runner("limits-slowtok", config={"max_queue_size": 2, "max_queue_delay": 0.0})
-    slow.tasks = _SlowCountingTokenization()
+    # compute in-process: worker processes have their own tests (test_worker_process.py, test_worker_pool.py)
+    common = dict(device="cpu", max_seq_len=MAX_SEQ_LEN, max_queue_delay=0.002, worker_process=False)
+    slow = _with_tokenizer(fake_runner("limits-slowtok", config={"max_queue_size": 2, "max_queue_delay": 0.0}),
+                           _SlowCountingTokenizer())
     runners = [
         build_runner(ModelConfig(name="cls", path=checkpoints["cls"], **common)),
         build_runner(ModelConfig(name="cls-big", path=checkpoints["cls"], max_request_chars=8 * MIB, **common)),
@@ -263,7 +271,7 @@ def test_queues_and_reservations_are_empty_after_the_refusals(srv):
 
 def test_queue_full_is_refused_before_tokenizing_and_reservations_come_back(srv):
     slow = srv.server.registry.runners["limits-slowtok"]
-    tasks = slow.tasks
+    tasks = slow.meta.tokenizer
     before = tasks.calls
     first = srv.stub.Classify.future(pb.ClassifyRequest(model="limits-slowtok", texts=["good", "good good"]), timeout=20)
     assert _wait_until(lambda: tasks.calls == before + 1)  # it is tokenizing, holding both places

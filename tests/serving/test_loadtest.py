@@ -24,7 +24,7 @@ from relserve.loadtest.generator import Records
 from relserve.loadtest.scenarios import (Scenario, ScenarioUnavailable, mixed_length_texts, qa_pairs,
                                          question_sentence_pairs, sentences)
 from relserve.service.backends.base import TASK_QA
-from relserve.service.batcher import Batcher
+from relserve.service.scheduling.batcher import Batcher
 from relserve.service.server import InferenceServer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -100,7 +100,9 @@ def served(tmp_path_factory, unigram_tokenizer_dir):
     # A random QA head has near-tied spans on real questions: int8 keeps the best span on 0.96 of them for this
     # checkpoint (0.92 with init "spread"), so its gate asks for 0.9 (the key is per model).
     gate = {"qa": dict(dtype_gate_agreement=0.9)}
-    runners = [build_runner(ModelConfig(name=n, path=p, onnx_cache_dir=cache, doc_stride=32, **COMMON,
+    # compute in-process: worker processes have their own tests (test_worker_process.py, test_worker_pool.py)
+    runners = [build_runner(ModelConfig(name=n, path=p, onnx_cache_dir=cache, doc_stride=32, worker_process=False,
+                                        **COMMON,
                                         **gate.get(n, {}))) for n, p in ckpts.items()]
     s = Running(server_config(), runners)
     try:

@@ -56,7 +56,8 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def srv(checkpoints, cache_dir):
-    common = dict(device="cpu", max_seq_len=128, max_queue_delay=0.002, doc_stride=32)
+    # compute in-process: worker processes have their own tests (test_worker_process.py, test_worker_pool.py)
+    common = dict(device="cpu", max_seq_len=128, max_queue_delay=0.002, doc_stride=32, worker_process=False)
     runners = [
         # torch pinned to float32 (compared with the float32 graphs); the onnx models keep dtype auto
         build_runner(ModelConfig(name="cls-torch", path=checkpoints["cls"], dtype="float32", **common)),

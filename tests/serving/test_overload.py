@@ -23,7 +23,7 @@ from fixtures.fake_serving import FakeBackend, model_config, server_config
 from fixtures.server import Running
 from relserve.service._proto import inference_pb2 as pb
 from relserve.service.backends.base import TASK_CLASSIFICATION, TASK_QA
-from relserve.service.pushback import MAX_RETRY_S, MIN_RETRY_S, PUSHBACK_TRAILER
+from relserve.service.scheduling.pushback import MAX_RETRY_S, MIN_RETRY_S, PUSHBACK_TRAILER
 from relserve.service.runner import ModelRunner
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ class GatedBackend(FakeBackend):
         self.started = threading.Event()
         self.first_tokens: list[list[int]] = []
 
-    def run(self, batch):
+    def run(self, batch, budget=None):
         self.first_tokens.append([item.input_ids[1] for item in batch])
         self.started.set()
         if not self.gate.wait(20):

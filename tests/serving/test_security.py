@@ -348,7 +348,7 @@ class GatedBackend(FakeBackend):
         self.gate = threading.Event()
         self.entered = threading.Event()
 
-    def run(self, batch):
+    def run(self, batch, budget=None):
         self.entered.set()
         assert self.gate.wait(30), "gate never opened"
         return super().run(batch)

@@ -5,6 +5,7 @@ what importing the serving modules loads: tests/unit/test_import_graph.py.)"""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import signal
 import subprocess
@@ -20,14 +21,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from fixtures.fake_serving import LABELS, runner, server_config
+from fixtures.fake_serving import LABELS, FakeTokenizer, runner, server_config
 from fixtures.server import Running
 from relserve.service._proto import inference_pb2 as pb
 from relserve.service._proto import inference_pb2_grpc as pb_grpc
 from relserve.service.backends.base import TASK_QA
 from relserve.service.config import MIB
 from relserve.service.metrics import UNKNOWN_MODEL
-from relserve.service.runner import DefaultTaskProcessing
 from relserve.service.server import InferenceServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -357,10 +357,10 @@ def test_sigterm_drains_and_exits_zero(tmp_path):
 
 # ---------------------------------------------------------------------- status bookkeeping (metrics = what clients saw)
 
-class _SlowTokenization(DefaultTaskProcessing):
-    def classify_preprocess(self, tokenizer, texts, pairs, max_seq_len):
+class _SlowTokenizer(FakeTokenizer):
+    def batch_encode(self, texts, pairs=None, max_length=None):
         time.sleep(0.6)  # in the tokenization executor: grpc cancels the handler when the deadline passes
-        return super().classify_preprocess(tokenizer, texts, pairs, max_seq_len)
+        return super().batch_encode(texts, pairs, max_length)
 
 
 def _requests_total(model: str) -> dict[str, float]:
@@ -376,7 +376,8 @@ def _requests_total(model: str) -> dict[str, float]:
 
 def test_deadline_during_tokenization_is_counted_as_deadline_exceeded():
     slow = runner("slowtok")
-    slow.tasks = _SlowTokenization()
+    load = slow.backend.load
+    slow.backend.load = lambda: dataclasses.replace(load(), tokenizer=_SlowTokenizer())
     s = Running(server_config(metrics_port=None), [slow])
     try:
         s.wait_serving()

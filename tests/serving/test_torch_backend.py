@@ -15,6 +15,7 @@ from relserve.service.backends.base import TASK_CLASSIFICATION, TASK_QA  # noqa:
 from relserve.service.backends.torch_encoder import TorchBackend  # noqa: E402
 from relserve.service.config import ConfigError, ModelConfig  # noqa: E402
 from relserve.service.runner import ModelRunner  # noqa: E402
+from relserve.service.tasks.classify import classify  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +78,8 @@ def test_runner_end_to_end_through_batcher(checkpoints):
         await asyncio.to_thread(r.load)
         await r.start()
         try:
-            a = asyncio.create_task(r.classify(["some text"], None, 0, None))
-            b = asyncio.create_task(r.classify(["some longer text", "x y z"], None, 2, None))
+            a = asyncio.create_task(classify(r, ["some text"], None, 0, None))
+            b = asyncio.create_task(classify(r, ["some longer text", "x y z"], None, 2, None))
             (items_a, _), (items_b, tb) = await asyncio.gather(a, b)
             return items_a, items_b, tb
         finally:

@@ -24,7 +24,7 @@ from relserve.models.onnx.runtime import EXPORT_VERSION
 from relserve.service._proto import inference_pb2 as pb
 from relserve.service.config import ModelConfig, load_config
 from relserve.service.registry import build_runner
-from relserve.service.translation import TranslationRunner
+from relserve.service.runner import TranslationRunner
 
 TEN_WORDS = "Der alte Mann ging gestern Abend mit seinem Hund spazieren."
 

@@ -1,6 +1,6 @@
 """Cost-model batch forming (issue 11 item 4), without models: the partition optimiser
-(``compute.plan_batch``) against brute-force oracles, the non-negative fit of ``compute.BatchCostModel``,
-the warm-up probes (``compute.calibrate``) and the batcher running a formed batch as the planned sub-batches."""
+(``cost_model.plan_batch``) against brute-force oracles, the non-negative fit of ``cost_model.BatchCostModel``,
+the warm-up probes (``cost_model.calibrate``) and the batcher running a formed batch as the planned sub-batches."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from relserve.service.batcher import Batcher
-from relserve.service.compute import (COST_TERMS, MIN_PIECE_TOKENS, BatchCostModel, calibrate, calibration_shapes,
-                                      cost_features, plan_batch)
+from relserve.service.scheduling.batcher import Batcher
+from relserve.service.scheduling.cost_model import (COST_TERMS, MIN_PIECE_TOKENS, BatchCostModel, calibrate,
+                                                    calibration_shapes, cost_features, plan_batch)
 
 
 def run(coro):

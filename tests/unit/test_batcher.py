@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from relserve.service.batcher import Batcher
+from relserve.service.scheduling.batcher import Batcher
 from relserve.service.errors import DeadlineExceeded, Internal, InvalidArgument, ResourceExhausted
 
 

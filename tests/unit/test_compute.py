@@ -1,4 +1,4 @@
-"""The compute scheduler (service/compute.py) with fake backends and a fake clock: turn order between models,
+"""The compute scheduler (service/scheduling/cores.py) with fake backends and a fake clock: turn order between models,
 no starvation, release on exception and close, yield points, the cost model's splitting, the batcher and the
 decode loop waiting for the compute slot (cancelled work never runs, close never hangs), the core partition
 (the share follows which models are active), and that torch keeps an intra-op thread count per calling
@@ -16,11 +16,12 @@ import pytest
 
 from relserve.models.decode_types import DecodeOptions, Hypothesis
 from relserve.service.backends.base import SeqUpdate
-from relserve.service.batcher import Batcher
-from relserve.service.compute import ComputeScheduler, CostModel, partition, thread_share, yield_point
 from relserve.service.config import ModelConfig
-from relserve.service.decode_loop import DecodeLoop
 from relserve.service.errors import Unavailable
+from relserve.service.scheduling.batcher import Batcher
+from relserve.service.scheduling.cores import ComputeScheduler, partition, thread_share, yield_point
+from relserve.service.scheduling.cost_model import CostModel
+from relserve.service.scheduling.decode_loop import DecodeLoop
 
 GUARD = 10.0  # seconds before a wait is declared a hang
 
@@ -397,11 +398,11 @@ class StepBackend:
         self.stepped: list[tuple[int, ...]] = []
         self.released: list[int] = []
 
-    def start(self, items):
+    def start(self, items, budget=None):
         self.started.append([it.seq_id for it in items])
         return [1 for _ in items]
 
-    def step(self, plan):
+    def step(self, plan, budget=None):
         self.stepped.append(plan.seq_ids)
         return [SeqUpdate(live=0, best_tokens=[7], best_score=-1.0, results=[_hyp()]) for _ in plan.seq_ids]
 
@@ -514,7 +515,8 @@ def test_batch_time_cap_cuts_formed_batches_only_while_another_model_is_active()
     another model ran within ACTIVE_WINDOW_S."""
     from types import SimpleNamespace
 
-    from relserve.service.compute import ACTIVE_WINDOW_S, BatchCostModel, cost_features
+    from relserve.service.scheduling.cores import ACTIVE_WINDOW_S
+    from relserve.service.scheduling.cost_model import BatchCostModel, cost_features
 
     clock = FakeClock()
     sched = ComputeScheduler("partition", clock=clock, cores=2)

@@ -1,6 +1,6 @@
-"""Server configuration (service/config.py): the YAML file, CLI overrides and ``--model`` specs, defaults, the
-ONNX Runtime and translation keys, and the errors a user gets (message names the key and the limit). No model
-is loaded: model directories here are empty folders."""
+"""Server configuration (service/config/: schema, validation, loader): the YAML file, CLI overrides and
+``--model`` specs, defaults, the ONNX Runtime and translation keys, and the errors a user gets (message names the
+key and the limit). No model is loaded: model directories here are empty folders."""
 
 from __future__ import annotations
 
@@ -387,7 +387,7 @@ def test_drain_timeout_must_be_finite_and_bounded(tmp_path, value):
     assert load_config(overrides={"drain_timeout": 86400}, model_specs=[f"a={tmp_path}"]).drain_timeout == 86400
 
 
-# ---------------------------------------------------------------------- compute scheduling (service/compute.py)
+# ---------------------------------------------------------------------- compute scheduling (service/scheduling/cores.py)
 
 
 def test_compute_keys_defaults_and_overrides(tmp_path):

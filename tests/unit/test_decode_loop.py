@@ -13,7 +13,7 @@ import pytest
 
 from relserve.models.decode_types import DecodeOptions, Hypothesis
 from relserve.service.backends.base import SeqUpdate
-from relserve.service.decode_loop import DecodeLoop
+from relserve.service.scheduling.decode_loop import DecodeLoop
 from relserve.service.errors import DeadlineExceeded, Internal, ResourceExhausted
 
 
@@ -39,7 +39,7 @@ class FakeStepBackend:
         self.starts: list[list[int]] = []
         self.threads: set[str] = set()
 
-    def start(self, items):
+    def start(self, items, budget=None):
         self.threads.add(threading.current_thread().name)
         self.starts.append([it.seq_id for it in items])
         if any(it.source_ids[0] in self.fail_start_call for it in items):
@@ -53,7 +53,7 @@ class FakeStepBackend:
             out.append(1)
         return out
 
-    def step(self, plan):
+    def step(self, plan, budget=None):
         self.threads.add(threading.current_thread().name)
         if self.delay:
             time.sleep(self.delay)
@@ -415,7 +415,7 @@ def test_saturated_loop_refills_freed_places_in_one_encoder_call():
     """More waiting than the budget holds: places freed one per step stay empty until REFILL_FRACTION of
     the budget is free (or MAX_REFILL_HOLD_STEPS passed), so each refill is one encoder call over several
     newcomers instead of one call per step; the last newcomers, who all fit, are admitted at once."""
-    from relserve.service import decode_loop
+    from relserve.service.scheduling import decode_loop
 
     budget = 10
     need = math.ceil(decode_loop.REFILL_FRACTION * budget)  # 3 places

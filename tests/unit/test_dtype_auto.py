@@ -1,5 +1,5 @@
 """``dtype: auto`` without a model: CPU bfloat16 detection (service/cpu_features.py) and its RELSERVE_CPU_BF16
-override, the dtype and gate keys of service/config.py, and the gate's text and arithmetic
+override, the dtype and gate keys of service/config/, and the gate's text and arithmetic
 (service/backends/precision.py: gate_items, judge, plan). The gate on real checkpoints is in
 tests/serving/test_dtype_auto_server.py."""
 

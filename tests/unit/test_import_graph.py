@@ -6,12 +6,15 @@ edge to the module ``P.n`` when that is a module of the package, else to ``P``. 
 
 (a) no import cycle between the package's modules (an import moved into a function still counts);
 (b) models/ imports neither service/ nor loadtest/;
-(c) the scheduling and API modules (batcher, decode_loop, queueing, api, config, errors) import no torch, directly
+(c) the scheduling and API modules (scheduling/*, frontends.grpc_v1, config, errors) import no torch, directly
     or through any relserve module they import at module level (importing a module also runs its parent
     packages' ``__init__``); also checked by importing them in a fresh interpreter;
 (d) models/deberta.py and models/rnnsearch.py reach no onnx / onnxruntime / onnxscript, directly or through other
     relserve modules (function-level imports included: calling such a function would import it);
-(e) product code imports nothing from tests/.
+(e) product code imports nothing from tests/;
+(f) the serving layers point one way, frontends -> tasks -> runtime (runner, registry) -> scheduling -> backends
+    -> models, never upward; the shared modules (errors, metrics, config, auth, ...) import no layer of service/;
+    no wire surface in frontends/ imports another (they share only the codec modules).
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 # package directory -> dotted package (pyproject's [tool.setuptools.package-dir])
 PACKAGE_DIRS = {"models": "relserve.models", "service": "relserve.service", "loadtest": "relserve.loadtest"}
-SCHEDULING_AND_API = ("batcher", "decode_loop", "queueing", "compute", "api", "config", "errors", "drain", "health")
+SCHEDULING_AND_API = ("scheduling", "scheduling.base", "scheduling.batcher", "scheduling.decode_loop",
+                      "scheduling.cores", "scheduling.cost_model", "scheduling.pushback",
+                      "frontends.grpc_v1", "config", "errors", "drain", "health")
 MODEL_FILES = ("relserve.models.deberta", "relserve.models.rnnsearch")
 ONNX_PACKAGES = {"onnx", "onnxruntime", "onnxscript"}
 
@@ -219,13 +224,13 @@ def _cycles() -> list[list[Import]]:
 def test_the_graph_sees_every_kind_of_import():
     """The parser itself: relative, function-level and ``from P import submodule`` imports are edges."""
     graph = build_graph()
-    assert {"relserve.models.deberta", "relserve.service.batcher", "relserve.loadtest.cli"} <= set(graph.modules)
+    assert {"relserve.models.deberta", "relserve.service.scheduling.batcher", "relserve.loadtest.cli"} <= set(graph.modules)
     assert len(graph.modules) > 40
     internal = [i for i in graph.imports if i.internal]
     assert any(not i.module_level for i in internal), "no function-level import found: the parser misses them"
     assert not any(i.target.startswith("relserve.relserve") for i in internal)
-    # service/api.py: ``from . import metrics`` is an edge to the module relserve.service.metrics
-    api = {i.target for i in internal if i.source == "relserve.service.api"}
+    # service/frontends/grpc_transport.py: ``from .. import metrics`` is an edge to the module relserve.service.metrics
+    api = {i.target for i in internal if i.source == "relserve.service.frontends.grpc_transport"}
     assert "relserve.service.metrics" in api and "relserve.service" not in api
 
 
@@ -264,14 +269,89 @@ def test_product_code_imports_no_test_code():
         f"  {_where(i)}: {i.source} imports {i.target}" for i in bad)
 
 
+# ------------------------------------------------------------------------------------------ layer directions
+
+# a request's path through service/, outermost first: a module may import its own layer or any layer after it
+LAYERS = (
+    ("frontends", ("relserve.service.frontends",)),
+    ("tasks", ("relserve.service.tasks",)),
+    ("runtime", ("relserve.service.runner", "relserve.service.registry")),
+    ("scheduling", ("relserve.service.scheduling",)),
+    ("backends", ("relserve.service.backends",)),
+    ("models", ("relserve.models",)),
+)
+# what every layer may use and that uses no layer of service/ (models/ is a layer of its own)
+SHARED = ("relserve.service.errors", "relserve.service.metrics", "relserve.service.config", "relserve.service.auth",
+          "relserve.service.cpu_features", "relserve.service.drain", "relserve.service.health",
+          "relserve.service.reflection", "relserve.service._proto")
+# the wiring above every layer (it builds them all): free to import any of them
+WIRING = ("relserve.service", "relserve.service.server", "relserve.service.main")
+# one module per wire surface; the other frontends/ modules are the codecs the surfaces share
+SURFACES = ("relserve.service.frontends.grpc_v1", "relserve.service.frontends.kserve_v2_grpc",
+            "relserve.service.frontends.http")
+
+
+def _under(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _layer(module: str) -> int | None:
+    return next((rank for rank, (_, prefixes) in enumerate(LAYERS) if _under(module, prefixes)), None)
+
+
+def test_every_service_module_has_a_place():
+    """A new module in service/ is put in a layer, the shared modules or the wiring, so the rules below see it."""
+    homeless = [m for m in build_graph().modules if m.startswith("relserve.service") and _layer(m) is None
+                and not _under(m, SHARED) and m not in WIRING and not _under(m, ("relserve.service.client",))]
+    assert not homeless, f"service modules in no layer (add them to LAYERS, SHARED or WIRING): {homeless}"
+
+
+def test_layers_import_only_downward():
+    bad = []
+    for imp in build_graph().imports:
+        if not imp.internal:
+            continue
+        src, dst = _layer(imp.source), _layer(imp.target)
+        if src is not None and dst is not None and dst < src:
+            bad.append(f"  {_where(imp)}: {LAYERS[src][0]} module {imp.source} imports {LAYERS[dst][0]} module "
+                       f"{imp.target}")
+        elif _under(imp.source, SHARED) and (dst is not None and dst < len(LAYERS) - 1):
+            bad.append(f"  {_where(imp)}: shared module {imp.source} imports the {LAYERS[dst][0]} layer ({imp.target})")
+        elif src is not None and imp.target in WIRING[1:]:
+            bad.append(f"  {_where(imp)}: {imp.source} imports the wiring module {imp.target}")
+    assert not bad, ("imports against the direction frontends -> tasks -> runtime -> scheduling -> backends -> "
+                     "models:\n" + "\n".join(bad))
+
+
+def test_no_wire_surface_imports_another():
+    bad = [imp for imp in build_graph().imports if imp.internal and _under(imp.source, ("relserve.service.frontends",))
+           and imp.source not in SURFACES and _under(imp.target, SURFACES)
+           or imp.internal and imp.source in SURFACES and _under(imp.target, SURFACES) and imp.target != imp.source]
+    assert not bad, "a frontend imports a wire surface (surfaces share codecs, never each other):\n" + "\n".join(
+        f"  {_where(i)}: {i.source} imports {i.target}" for i in bad)
+
+
+def test_layer_rules_catch_an_upward_import(monkeypatch):
+    """The checks above can fail: a backend importing a task, and one surface importing another, are found."""
+    graph = build_graph()
+    fake = [Import("relserve.service.backends.base", "relserve.service.tasks.classify", 1, True, True),
+            Import("relserve.service.frontends.http", "relserve.service.frontends.grpc_v1", 1, False, True)]
+    monkeypatch.setattr(graph, "imports", graph.imports + fake)
+    with pytest.raises(AssertionError, match="backends module relserve.service.backends.base imports tasks"):
+        test_layers_import_only_downward()
+    with pytest.raises(AssertionError, match="frontends.http imports relserve.service.frontends.grpc_v1"):
+        test_no_wire_surface_imports_another()
+
+
 # ---------------------------------------------------------------------------------------------- at run time
 
 # the rule (c) modules, plus the rest of the serving path that must stay free of torch and onnxruntime until a
 # backend is created
 NO_TORCH_AT_IMPORT = [f"relserve.service.{n}" for n in SCHEDULING_AND_API] + [
     "relserve.service.runner", "relserve.service.metrics", "relserve.service.server", "relserve.service.main",
-    "relserve.service.backends", "relserve.service.translation", "relserve.service.http_api",
-    "relserve.service.api_v2", "relserve.service.oip",
+    "relserve.service.backends", "relserve.service.frontends.http", "relserve.service.frontends.kserve_v2_grpc",
+    "relserve.service.frontends.oip_codec", "relserve.service.tasks.classify", "relserve.service.tasks.qa",
+    "relserve.service.tasks.translate",
 ]
 
 

@@ -1,5 +1,5 @@
 """``--model-dir`` / ``--model-name`` / ``--model-options`` and their ``RELSERVE_MODEL_*`` variables
-(service/model_dir.py, service/main.py ``config_from_args``), through the real parser and loader."""
+(service/config/model_dir.py, service/config/loader.py ``config_from_args``), through the real parser and loader."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""Retry guidance for queue-full refusals (service/pushback.py) on a fake clock: drain rate, virtual queue,
+"""Retry guidance for queue-full refusals (service/scheduling/pushback.py) on a fake clock: drain rate, virtual queue,
 clamps, the trailer value."""
 
 from __future__ import annotations
 
 import pytest
 
-from relserve.service.pushback import DrainEstimate, pushback_ms
+from relserve.service.scheduling.pushback import DrainEstimate, pushback_ms
 
 
 class Clock:

@@ -93,7 +93,8 @@ def test_too_long_source_is_refused_from_a_prefix(tmp_path):
     import pytest
 
     from fixtures.translation import sentence_pairs
-    from relserve.models.tokenization import TranslationTokenizer, train_sentencepiece
+    from relserve.models.tokenization import TranslationTokenizer
+    from relserve.models.training.tokenizer import train_sentencepiece
     from relserve.service.errors import InvalidArgument
 
     spm_path = train_sentencepiece([s for s, _ in sentence_pairs()], tmp_path / "s.spm", 160)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from relserve.service import compute
 from relserve.service.backends import worker_pool
+from relserve.service.backends.base import CallBudget
 from relserve.service.backends.padding import WarmupEncoding
 from relserve.service.backends.worker_pool import WorkerPool, split_parts
 from relserve.service.config import ModelConfig
@@ -39,8 +39,8 @@ class _FakeWorker:
         self.calls: list[tuple[list[int], int]] = []
         self.fail = fail
 
-    def run(self, items, threads):
-        self.calls.append(([len(x.input_ids) for x in items], threads))
+    def run(self, items, budget):
+        self.calls.append(([len(x.input_ids) for x in items], budget.threads()))
         if self.fail:
             raise Internal("model 'm': worker process was killed by SIGKILL during run")
         return [len(x.input_ids) * 10 for x in items]
@@ -60,17 +60,14 @@ def test_a_call_is_divided_by_its_thread_share_and_results_keep_their_order(tmp_
     pool = _pool(tmp_path, instances=2)
     pool.workers = [_FakeWorker(), _FakeWorker()]
     lengths = [5, 30, 7, 22, 9, 15]
-    monkeypatch.setattr(compute, "thread_share", lambda: 2)
-    assert pool.run(_items(lengths)) == [n * 10 for n in lengths]
+    assert pool.run(_items(lengths), CallBudget.fixed(2)) == [n * 10 for n in lengths]
     (a, ta), (b, tb) = pool.workers[0].calls[0], pool.workers[1].calls[0]
     assert sorted(a + b) == sorted(lengths) and ta == tb == 1  # two parts, one thread each
     # two busy models under partition: one thread for this call -> one part, in one process
-    monkeypatch.setattr(compute, "thread_share", lambda: 1)
-    assert pool.run(_items(lengths)) == [n * 10 for n in lengths]
+    assert pool.run(_items(lengths), CallBudget.fixed(1)) == [n * 10 for n in lengths]
     assert pool.workers[0].calls[1] == (sorted(lengths, reverse=True), 1) and len(pool.workers[1].calls) == 1
     # four threads for two instances: two parts of two threads each
-    monkeypatch.setattr(compute, "thread_share", lambda: 4)
-    pool.run(_items(lengths))
+    pool.run(_items(lengths), CallBudget.fixed(4))
     assert pool.workers[0].calls[2][1] == pool.workers[1].calls[1][1] == 2
     pool.close()
 
@@ -78,9 +75,8 @@ def test_a_call_is_divided_by_its_thread_share_and_results_keep_their_order(tmp_
 def test_a_failing_part_fails_only_its_own_items(tmp_path, monkeypatch):
     pool = _pool(tmp_path, instances=2)
     pool.workers = [_FakeWorker(), _FakeWorker(fail=True)]
-    monkeypatch.setattr(compute, "thread_share", lambda: 2)
     lengths = [40, 3, 38, 4]
-    out = pool.run(_items(lengths))
+    out = pool.run(_items(lengths), CallBudget.fixed(2))
     failed = {lengths[i] for i, r in enumerate(out) if isinstance(r, Internal)}
     ok = {lengths[i]: r for i, r in enumerate(out) if not isinstance(r, Exception)}
     assert failed == set(pool.workers[1].calls[0][0]) and failed and ok
@@ -93,8 +89,7 @@ def test_fixed_thread_counts_are_the_models_shared_out_between_instances(tmp_pat
     pool = _pool(tmp_path, instances=2, torch_intra_op_threads=4)
     assert [w.config.torch_intra_op_threads for w in pool.workers] == [2, 2]
     pool.workers = [_FakeWorker(), _FakeWorker()]
-    monkeypatch.setattr(compute, "thread_share", lambda: 1)  # a fixed count wins over the share
-    pool.run(_items([5, 6, 7, 8]))
+    pool.run(_items([5, 6, 7, 8]), CallBudget.fixed(1))  # a fixed count wins over the share
     assert [w.calls[0][1] for w in pool.workers] == [2, 2]
     pool.close()
     assert worker_pool._per_instance(3, 2) == 1 and worker_pool._per_instance(1, 4) == 1

@@ -3,7 +3,7 @@
 // session with this library registered runs that op's model-local portable function, as stock ORT does.
 //
 // Kept only where the op-level benchmark shows the kernel beating the portable function
-// (`python -m relserve.loadtest.bench_onnx_ops`, DeBERTa-v3-base shapes, CPU fp32, 2 intra-op threads,
+// (`python -m relserve.loadtest.bench.onnx_ops`, DeBERTa-v3-base shapes, CPU fp32, 2 intra-op threads,
 // native:portable time): LogBucketRelativePosition 0.08 at 8x128 / 0.06 at 8x512, RelativePositionBias 0.29 /
 // 0.33. The DisentangledAttentionBias kernel (per-element dot products) measured 2.33 / 5.54, slower than the
 // function's MatMul + GatherElements, and was removed.

@@ -1,0 +1,76 @@
+"""The relserve.v1.Inference servicer (grpc.aio): decode, call the task, encode the reply.
+
+Requests are decoded tolerantly (:func:`.grpc_transport.register`): bytes that are not a valid message of the
+RPC's request type (e.g. invalid UTF-8 in a string field) are answered INVALID_ARGUMENT and counted like any
+other status. Each request is validated once, before any tokenizing, by its task (:mod:`.v1_codec` calls
+:mod:`relserve.service.tasks`); errors are mapped in one place, :func:`.grpc_transport.rpc`, with a full
+queue's retry hint as the ``grpc-retry-pushback-ms`` trailer (gRFC A6). Request metrics (count by code,
+duration, in-flight; the time to a RESOURCE_EXHAUSTED refusal) are recorded there too. Stream messages go
+out through :func:`.grpc_transport.write_message`. No torch here.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from .._proto import inference_pb2, inference_pb2_grpc
+from ..backends.base import TASK_CLASSIFICATION, TASK_QA, TASK_TRANSLATION
+from ..registry import ModelRegistry
+from ..tasks import translate as translate_task
+from . import v1_codec
+from .grpc_transport import Scope, deadline, register, rpc, write_message
+
+SERVICE_NAME = "relserve.v1.Inference"
+
+
+def add_to_server(servicer: "InferenceServicer", server: grpc.aio.Server) -> None:
+    """Register ``servicer``'s RPCs of ``relserve.v1.Inference`` on ``server``, decoded tolerantly."""
+    register(servicer, server, inference_pb2, "Inference")
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    """The relserve.v1 RPCs over ``registry``; replies (and stream messages) of at most
+    ``max_send_message_length`` bytes."""
+
+    def __init__(self, registry: ModelRegistry, max_send_message_length: int = 4 * 1024 * 1024) -> None:
+        self.registry = registry
+        self.max_send_message_length = max_send_message_length
+
+    def _enter(self, scope: Scope, name: str, task: str):
+        if name in self.registry.runners:
+            scope.model = name
+        runner = self.registry.get(name, task)
+        scope.count_inflight()
+        return runner
+
+    @rpc("list_models")
+    async def ListModels(self, request, context, scope):
+        """Every served model and what it is."""
+        scope.model = ""
+        return v1_codec.list_models(self.registry)
+
+    @rpc(TASK_CLASSIFICATION)
+    async def Classify(self, request, context, scope):
+        """Scores per text (:func:`.v1_codec.classify`)."""
+        runner = self._enter(scope, request.model, TASK_CLASSIFICATION)
+        return await v1_codec.classify(runner, request, deadline(context))
+
+    @rpc(TASK_QA)
+    async def Answer(self, request, context, scope):
+        """Answers to one question (:func:`.v1_codec.answer`)."""
+        runner = self._enter(scope, request.model, TASK_QA)
+        return await v1_codec.answer(runner, request, deadline(context))
+
+    @rpc(TASK_TRANSLATION)
+    async def Translate(self, request, context, scope):
+        """Hypotheses per text (:func:`.v1_codec.translate`)."""
+        runner = self._enter(scope, request.model, TASK_TRANSLATION)
+        return await v1_codec.translate(runner, request, deadline(context))
+
+    @rpc(TASK_TRANSLATION)
+    async def TranslateStream(self, request, context, scope):
+        """The best live hypothesis after each decoder step, then the final result."""
+        runner = self._enter(scope, request.model, TASK_TRANSLATION)
+        options = v1_codec.decode_options(runner, request, [request.text])
+        async for event in translate_task.translate_stream(runner, request.text, options, deadline(context)):
+            await write_message(context, v1_codec.stream_message(event), self.max_send_message_length)

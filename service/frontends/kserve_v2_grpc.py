@@ -1,0 +1,185 @@
+"""The KServe v2 / Open Inference Protocol servicer (``inference.GRPCInferenceService``, grpc.aio).
+
+Served on the same server and port as relserve.v1 (``service/server.py``): the same interceptors (bearer
+tokens, drain tracking of running ModelInfer calls), the same error mapping and metrics wrapper
+(:func:`.grpc_transport.rpc`: ``relserve_requests_total{model,task,code}`` etc., ModelInfer labelled with the
+model's task once it is known, ``_unknown_`` before), the same tolerant request decoding (undecodable bytes
+-> INVALID_ARGUMENT) and the same reply size limit. What the tensors mean, and every check, is
+:mod:`.oip_codec`; this module converts between the wire messages and its :class:`~.oip_codec.Tensor`.
+
+Wire forms (both as in the protocol): input elements as typed ``contents`` or as ``raw_input_contents``
+(one entry per input; BYTES elements each prefixed by a 4-byte little-endian length, which tritonclient
+sends). A request that used raw inputs is answered in ``raw_output_contents``, else in typed contents.
+Tensor-level parameters follow :func:`.oip_codec.check_tensor_parameters` (as the HTTP routes):
+inputs take none, outputs only ``binary_data`` false; Triton's shared-memory keys and ``classification`` are
+INVALID_ARGUMENT. ServerLive, ServerReady and ModelReady are open without a token unless ``auth_health``,
+like grpc.health.v1 (kubelet probes cannot send metadata); metadata and inference need the token.
+No torch here.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import grpc
+
+from .. import metrics
+from .._proto import grpc_predict_v2_pb2 as pb
+from ..errors import InvalidArgument, shown
+from ..registry import ModelRegistry
+from . import oip_codec as oip
+from .grpc_transport import deadline, register, rpc
+
+SERVICE_NAME = "inference.GRPCInferenceService"
+# Probe RPCs: open like grpc.health.v1 unless auth_health (method-name prefixes for the token interceptor).
+PROBE_METHODS = tuple(f"/{SERVICE_NAME}/{m}" for m in ("ServerLive", "ServerReady", "ModelReady"))
+INFER_METHOD = f"/{SERVICE_NAME}/ModelInfer"  # the RPC a drain waits for
+
+HEALTH_TASK, METADATA_TASK = "health", "metadata"  # metrics task labels of the non-inference RPCs
+
+# datatype -> InferTensorContents field holding its typed elements
+_CONTENTS_FIELD = {
+    "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
+}
+_RAW_FORMAT = {"FP32": "f", "INT64": "q", "BOOL": "?"}  # the output datatypes relserve produces
+
+
+def add_to_server(servicer: "GRPCInferenceServicer", server: grpc.aio.Server) -> None:
+    """Register ``servicer``'s RPCs of ``inference.GRPCInferenceService`` on ``server``, each request decoded
+    tolerantly (as relserve.v1's)."""
+    register(servicer, server, pb, "GRPCInferenceService")
+
+
+def refused_task(name: str) -> str:
+    """The metrics ``task`` label of a v2 RPC ``name`` refused before its handler ran (ModelInfer's model, and
+    so its task, is not known then: ``_unknown_``)."""
+    return getattr(getattr(GRPCInferenceServicer, name, None), "task", metrics.UNKNOWN_MODEL)
+
+
+class GRPCInferenceServicer:
+    """The six RPCs of the Open Inference Protocol over ``registry`` (see the module docstring)."""
+
+    def __init__(self, registry: ModelRegistry, max_send_message_length: int = 4 * 1024 * 1024) -> None:
+        self.registry = registry
+        self.max_send_message_length = max_send_message_length  # read by the rpc wrapper
+
+    @rpc(HEALTH_TASK)
+    async def ServerLive(self, request, context, scope):
+        scope.model = ""
+        return pb.ServerLiveResponse(live=oip.server_live())
+
+    @rpc(HEALTH_TASK)
+    async def ServerReady(self, request, context, scope):
+        scope.model = ""
+        return pb.ServerReadyResponse(ready=oip.server_ready(self.registry))
+
+    @rpc(HEALTH_TASK)
+    async def ModelReady(self, request, context, scope):
+        if request.name in self.registry.runners:
+            scope.model = request.name
+        return pb.ModelReadyResponse(ready=oip.model_ready(self.registry, request.name, request.version))
+
+    @rpc(METADATA_TASK)
+    async def ServerMetadata(self, request, context, scope):
+        scope.model = ""
+        meta = oip.server_metadata()
+        return pb.ServerMetadataResponse(name=meta.name, version=meta.version, extensions=list(meta.extensions))
+
+    @rpc(METADATA_TASK)
+    async def ModelMetadata(self, request, context, scope):
+        if request.name in self.registry.runners:
+            scope.model = request.name
+        meta = oip.model_metadata(self.registry, request.name, request.version)
+        out = pb.ModelMetadataResponse(name=meta.name, versions=list(meta.versions), platform=meta.platform)
+        for target, tensors in ((out.inputs, meta.inputs), (out.outputs, meta.outputs)):
+            for t in tensors:
+                target.add(name=t.name, datatype=t.datatype, shape=list(t.shape))
+        return out
+
+    @rpc(metrics.UNKNOWN_MODEL)
+    async def ModelInfer(self, request, context, scope):
+        if request.model_name in self.registry.runners:
+            scope.model = request.model_name
+        runner = oip.lookup(self.registry, request.model_name, request.model_version)
+        scope.task = runner.task or scope.task
+        scope.count_inflight()
+        raw = len(request.raw_input_contents) > 0
+        inputs = _inputs(request)
+        parameters = _parameters(request.parameters, "request parameter")
+        requested = []
+        for out in request.outputs:
+            where = f"output {shown(out.name)} parameter"
+            oip.check_tensor_parameters("output", out.name, _parameters(out.parameters, where))
+            requested.append(out.name)
+        outputs = await oip.infer_on(runner, inputs, parameters, requested, deadline(context))
+        reply = pb.ModelInferResponse(model_name=runner.name, model_version=oip.MODEL_VERSION, id=request.id)
+        for t in outputs:
+            o = reply.outputs.add(name=t.name, datatype=t.datatype, shape=list(t.shape))
+            if raw:
+                reply.raw_output_contents.append(_raw(t))
+            else:
+                getattr(o.contents, _CONTENTS_FIELD[t.datatype]).extend(t.data)
+        return reply
+
+
+def _parameters(params: Any, what: str) -> dict[str, Any]:
+    """A protobuf ``map<string, InferParameter>`` as plain Python values."""
+    out: dict[str, Any] = {}
+    for name, p in params.items():
+        kind = p.WhichOneof("parameter_choice")
+        if kind is None:
+            raise InvalidArgument(f"{what} {shown(name)} has no value; set one of bool_param, int64_param, "
+                                  f"uint64_param, double_param, string_param")
+        out[name] = getattr(p, kind)
+    return out
+
+
+def _inputs(request: Any) -> list[oip.Tensor]:
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidArgument(f"raw_input_contents has {len(raw)} entries but the request has "
+                              f"{len(request.inputs)} inputs; send one per input, in the order of inputs")
+    tensors = []
+    for i, t in enumerate(request.inputs):
+        oip.check_tensor_parameters("input", t.name, _parameters(t.parameters, f"input {shown(t.name)} parameter"))
+        if raw:
+            if t.HasField("contents"):
+                raise InvalidArgument(f"input {shown(t.name)} has typed contents and the request has "
+                                      f"raw_input_contents; use one form for all inputs")
+            data = _split_bytes(t.name, raw[i]) if t.datatype == oip.BYTES else []
+        else:
+            field = _CONTENTS_FIELD.get(t.datatype)
+            data = list(getattr(t.contents, field)) if field else []
+        # non-BYTES data is not decoded: oip refuses the datatype, naming the input
+        tensors.append(oip.Tensor(t.name, t.datatype, tuple(t.shape), data))
+    return tensors
+
+
+def _split_bytes(name: str, buf: bytes) -> list[bytes]:
+    """Raw BYTES contents: elements each preceded by a 4-byte little-endian length.
+
+    Raises:
+        InvalidArgument: a length prefix or element runs past the end of the buffer (names the input).
+    """
+    out, pos, view = [], 0, memoryview(buf)
+    while pos < len(buf):
+        if pos + 4 > len(buf):
+            raise InvalidArgument(f"raw contents of input {shown(name)} end inside a length prefix at byte {pos}; "
+                                  f"BYTES elements are a 4-byte little-endian length then the bytes")
+        (n,) = struct.unpack_from("<I", buf, pos)
+        pos += 4
+        if pos + n > len(buf):
+            raise InvalidArgument(f"raw contents of input {shown(name)}: element {len(out)} has length {n} but "
+                                  f"only {len(buf) - pos} bytes follow")
+        out.append(bytes(view[pos:pos + n]))
+        pos += n
+    return out
+
+
+def _raw(t: oip.Tensor) -> bytes:
+    if t.datatype == oip.BYTES:
+        return b"".join(struct.pack("<I", len(b)) + b for b in t.data)
+    return struct.pack(f"<{len(t.data)}{_RAW_FORMAT[t.datatype]}", *t.data)

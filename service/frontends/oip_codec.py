@@ -1,0 +1,464 @@
+"""The KServe v2 / Open Inference Protocol (OIP) over relserve's tasks, independent of the transport: OIP
+tensors <-> task requests and results.
+
+The gRPC frontend (``kserve_v2_grpc``) and the HTTP routes (``http``) call these functions with plain Python
+values; each transport only converts its wire form to :class:`Tensor` and back. Validation, limits and the
+task calls are the same as relserve.v1's: each task's ``validate_*`` and its entry point in
+:mod:`relserve.service.tasks`. Errors are the domain exceptions of :mod:`relserve.service.errors` (the
+transport maps them: INVALID_ARGUMENT / HTTP 400, NOT_FOUND / 404, ...).
+
+Tensors per task (``N`` = texts in the request; ``[N]`` inputs may also be sent as ``[N, 1]``):
+
+=============== ============================================ ==================================================
+task            inputs (all BYTES, UTF-8)                    outputs
+=============== ============================================ ==================================================
+classification  ``text`` [N], optional ``text_pair`` [N]     ``probabilities`` FP32 [N, num_labels] (label id
+                                                             order, the scores of relserve.v1 Classify);
+                                                             ``label`` BYTES [N] (the best label), or
+                                                             [N, top_k] best first when ``top_k`` is sent
+                                                             (0 = all labels)
+qa              ``question`` [N], ``context`` [N]            ``answer`` BYTES, ``start`` / ``end`` INT64
+                                                             (character offsets in the context, end
+                                                             exclusive), ``score`` FP32, ``is_impossible``
+                                                             BOOL, each [N, top_k] best first; a row with
+                                                             fewer answers is padded with "", -1, -1, 0.0,
+                                                             false
+translation     ``text`` [N]                                 ``translation`` BYTES [N] (the best hypothesis),
+                                                             or [N, n_best] best first when ``n_best`` is sent
+=============== ============================================ ==================================================
+
+Request parameters (relserve.v1's request fields of the same name, same defaults and ranges; 0 = default):
+classification ``top_k``, ``function_to_apply`` (string: the scores of ``probabilities`` and the order of
+``label``); qa ``top_k``, ``max_answer_len``, ``doc_stride``, ``allow_impossible``, ``null_threshold``,
+``align_to_words``; translation ``beam_size``, ``n_best``, ``max_length``. Integers must be integers,
+``allow_impossible`` / ``align_to_words`` booleans, ``null_threshold`` a number. An unknown parameter is INVALID_ARGUMENT listing
+the known ones. A QA request of N questions runs N relserve.v1 Answer calls concurrently, after the request-wide
+``max_request_texts`` / ``max_request_chars`` check.
+
+Tensor-level parameters (:func:`check_tensor_parameters`, the same rule on both transports): inputs take
+none (binary data, shared memory: INVALID_ARGUMENT naming the parameter); outputs take only ``binary_data``
+false (the elements in the reply itself, the default), no ``classification`` / ``class_count`` (the
+classification extension: use ``label`` with ``top_k``) or shared memory. FP32 outputs are float32 values
+(:func:`output`), so every transport prints the same numbers.
+
+Models have one version, ``"1"``; a request may name it or leave the version empty. No torch here.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy
+
+from ..backends.base import TASK_CLASSIFICATION, TASK_QA, TASK_TRANSLATION
+from ..errors import InvalidArgument, NotFound, Unavailable, shown
+from ..registry import ModelRegistry
+from ..runner import Runner
+from ..tasks import classify, qa, translate
+from ..tasks.limits import check_request_size
+
+SERVER_NAME = "relserve"
+MODEL_VERSION = "1"  # every served model has exactly this one version
+BYTES, FP32, INT64, BOOL = "BYTES", "FP32", "INT64", "BOOL"
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One input or output tensor.
+
+    ``data`` is the flattened, row-major list of ``prod(shape)`` elements: ``bytes`` for BYTES (inputs may
+    also carry ``str``, taken as already decoded), ``float`` for FP32, ``int`` for INT64, ``bool`` for BOOL.
+    """
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: list
+
+
+@dataclass(frozen=True)
+class TensorMetadata:
+    """A tensor's name, datatype and shape (-1 = variable dimension)."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ServerMetadata:
+    name: str
+    version: str
+    extensions: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ModelMetadata:
+    name: str
+    versions: tuple[str, ...]
+    platform: str  # "relserve_<backend>": relserve_torch or relserve_onnxruntime
+    inputs: tuple[TensorMetadata, ...]
+    outputs: tuple[TensorMetadata, ...]
+
+
+# Per task: inputs (name -> required), outputs in reply order, parameters (name -> kind).
+_INPUTS = {
+    TASK_CLASSIFICATION: {"text": True, "text_pair": False},
+    TASK_QA: {"question": True, "context": True},
+    TASK_TRANSLATION: {"text": True},
+}
+_OUTPUTS = {
+    TASK_CLASSIFICATION: ("probabilities", "label"),
+    TASK_QA: ("answer", "start", "end", "score", "is_impossible"),
+    TASK_TRANSLATION: ("translation",),
+}
+_INT, _BOOL, _NUMBER, _STRING = "an integer", "a boolean", "a number", "a string"
+_PARAMETERS = {
+    TASK_CLASSIFICATION: {"top_k": _INT, "function_to_apply": _STRING},
+    TASK_QA: {"top_k": _INT, "max_answer_len": _INT, "doc_stride": _INT, "allow_impossible": _BOOL,
+              "null_threshold": _NUMBER, "align_to_words": _BOOL},
+    TASK_TRANSLATION: {"beam_size": _INT, "n_best": _INT, "max_length": _INT},
+}
+
+
+def describe(value: Any) -> str:
+    """``value``'s kind in words, for error messages: "null", "a boolean", "an integer", "a number",
+    "a string", "a list", "an object", "bytes" (else the Python type name)."""
+    if value is None:
+        return "null"
+    for kind, words in ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
+                        ((list, tuple), "a list"), (dict, "an object"), ((bytes, bytearray, memoryview), "bytes")):
+        if isinstance(value, kind):
+            return words
+    return f"a {type(value).__name__}"
+
+
+def output(name: str, datatype: str, shape: tuple[int, ...], data: list) -> Tensor:
+    """An output tensor; FP32 elements are rounded to float32 here, the one place, so that a JSON reply
+    prints the numbers a gRPC reply's ``fp32_contents`` / raw float32 bytes carry."""
+    if datatype == FP32:
+        data = numpy.asarray(data, dtype=numpy.float32).tolist()  # tolist: Python floats of the float32 values
+    return Tensor(name, datatype, tuple(shape), data)
+
+
+# Tensor-level parameters an output may carry: name -> the one accepted value
+_OUTPUT_PARAMETERS_ACCEPTED = {"binary_data": False}
+_PARAMETER_HINTS = {
+    "binary_data_size": "binary tensor data is not supported; send the elements in the tensor's data",
+    "binary_data": "binary tensor data is not supported; the elements are sent in the reply's tensor",
+    "classification": "the classification extension is not supported; request the 'label' output (with the "
+                      "top_k parameter) instead",
+    "class_count": "the classification extension is not supported; request the 'label' output (with the "
+                   "top_k parameter) instead",
+}
+
+
+def check_tensor_parameters(kind: str, name: str, parameters: Mapping[str, Any]) -> None:
+    """The rule for tensor-level ``parameters`` of input (``kind`` "input") or requested output (``kind``
+    "output") ``name``, for every transport: inputs take none; outputs only ``binary_data`` false.
+
+    Raises:
+        InvalidArgument: any other parameter (names it, with what to do instead).
+    """
+    for key, value in parameters.items():
+        if kind == "output" and key in _OUTPUT_PARAMETERS_ACCEPTED and value is _OUTPUT_PARAMETERS_ACCEPTED[key]:
+            continue
+        hint = _PARAMETER_HINTS.get(key, "tensor-level parameters (e.g. shared memory) are not supported")
+        raise InvalidArgument(f"{kind} {shown(name)} has parameter {shown(key)} = {shown(str(value))}: {hint}")
+
+
+def parameter_names(task: str) -> tuple[str, ...]:
+    """The request parameters a model of ``task`` accepts (see the module docstring)."""
+    return tuple(_PARAMETERS.get(task, {}))
+
+
+def server_live() -> bool:
+    """True: a process that answers is live (liveness must not depend on the models)."""
+    return True
+
+
+def server_ready(registry: ModelRegistry) -> bool:
+    """Whether every model is loaded and warm and the server is not draining (as grpc.health.v1 SERVING)."""
+    return not registry.draining and registry.all_ready
+
+
+def _check_version(name: str, version: str) -> None:
+    if version not in ("", MODEL_VERSION):
+        raise NotFound(f"model {shown(name)} has no version {shown(version)}; versions: [{MODEL_VERSION!r}] "
+                       f"(or leave the version empty)")
+
+
+def model_ready(registry: ModelRegistry, name: str, version: str = "") -> bool:
+    """Whether model ``name`` is loaded, warm and the server is not draining.
+
+    An unknown model or version is not ready (False rather than an error: this is what readiness probes ask,
+    and Triton answers the same way).
+    """
+    runner = registry.runners.get(name)
+    return (runner is not None and version in ("", MODEL_VERSION) and runner.ready
+            and not registry.draining)
+
+
+def server_metadata() -> ServerMetadata:
+    """The server's name (``relserve``), its package version, and no protocol extensions."""
+    try:
+        version = importlib.metadata.version("relserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree without an install
+        version = "unknown"
+    return ServerMetadata(SERVER_NAME, version, ())
+
+
+def _known(registry: ModelRegistry, name: str) -> Runner:
+    if not name:
+        raise InvalidArgument(f"model name is empty; set it to one of {registry.names()}")
+    runner = registry.runners.get(name)
+    if runner is None:
+        raise NotFound(f"model {shown(name)} is not loaded; loaded models: {registry.names()}")
+    return runner
+
+
+def model_metadata(registry: ModelRegistry, name: str, version: str = "") -> ModelMetadata:
+    """The tensors model ``name`` takes and returns (see the module docstring), also while draining.
+
+    Raises:
+        InvalidArgument: empty name.
+        NotFound: unknown model (lists the loaded ones) or version.
+        Unavailable: the model is not loaded yet (its task and labels are not known before).
+    """
+    runner = _known(registry, name)
+    _check_version(name, version)
+    task = runner.task
+    if task is None:
+        raise Unavailable(f"model {name!r} is not loaded yet (state: {runner.state}); retry later")
+    info = runner.info()
+    inputs = tuple(TensorMetadata(n, BYTES, (-1,)) for n in _INPUTS[task])
+    if task == TASK_CLASSIFICATION:
+        outputs = (TensorMetadata("probabilities", FP32, (-1, len(info.labels) or -1)),
+                   TensorMetadata("label", BYTES, (-1,)))
+    elif task == TASK_QA:
+        types = {"answer": BYTES, "start": INT64, "end": INT64, "score": FP32, "is_impossible": BOOL}
+        outputs = tuple(TensorMetadata(n, types[n], (-1, -1)) for n in _OUTPUTS[task])
+    else:
+        outputs = (TensorMetadata("translation", BYTES, (-1,)),)
+    return ModelMetadata(name, (MODEL_VERSION,), f"relserve_{info.backend}", inputs, outputs)
+
+
+def lookup(registry: ModelRegistry, name: str, version: str = "") -> Runner:
+    """The ready runner of model ``name`` (what :func:`infer` runs on; transports call it first to label
+    their metrics with the model and its task).
+
+    Raises:
+        InvalidArgument: empty name.
+        NotFound: unknown model (lists the loaded ones) or version.
+        Unavailable: draining, or the model is not ready yet.
+    """
+    runner = _known(registry, name)
+    _check_version(name, version)
+    return registry.get(name, runner.task or "")  # draining / readiness checks, as relserve.v1
+
+
+async def infer(registry: ModelRegistry, model_name: str, inputs: Sequence[Tensor],
+                parameters: Mapping[str, Any] | None = None, requested_outputs: Sequence[str] | None = None,
+                deadline: float | None = None, model_version: str = "") -> list[Tensor]:
+    """Run one inference request on model ``model_name``: :func:`lookup`, then :func:`infer_on`."""
+    runner = lookup(registry, model_name, model_version)
+    return await infer_on(runner, inputs, parameters, requested_outputs, deadline)
+
+
+async def infer_on(runner: Runner, inputs: Sequence[Tensor], parameters: Mapping[str, Any] | None = None,
+                   requested_outputs: Sequence[str] | None = None, deadline: float | None = None) -> list[Tensor]:
+    """Run one inference request on ``runner`` (from :func:`lookup`).
+
+    Args:
+        inputs: the request's tensors (names, datatypes and shapes per task: module docstring).
+        parameters: request parameters, name -> bool / int / float / str (see the module docstring).
+        requested_outputs: output names to return, in the model's order; None or empty = all.
+        deadline: ``time.monotonic()`` value after which the work is dropped (DEADLINE_EXCEEDED), or None.
+
+    Returns:
+        The output tensors, in the model's output order.
+
+    Raises:
+        InvalidArgument: an unknown, duplicate, missing or mis-typed/mis-shaped input (naming it), undecodable
+            UTF-8 (naming the tensor and element), mismatched N between inputs, an unknown or mis-typed
+            parameter (listing the known ones), an unknown requested output, or anything the task's
+            ``validate_*`` refuses (as relserve.v1).
+        RelserveError: from the runner, as relserve.v1 (queue full, deadline, draining, model failure).
+    """
+    task = runner.task or ""
+    params = _parameters(task, parameters or {})
+    wanted = _requested(task, requested_outputs or ())
+    texts = _texts(task, inputs)
+    if task == TASK_CLASSIFICATION:
+        outputs = await _classify(runner, texts, params, deadline)
+    elif task == TASK_QA:
+        outputs = await _answer(runner, texts, params, deadline)
+    else:
+        outputs = await _translate(runner, texts, params, deadline)
+    return [t for t in outputs if t.name in wanted]
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+
+def _parameters(task: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
+    known = _PARAMETERS.get(task, {})
+    out = {}
+    for name, value in parameters.items():
+        kind = known.get(name)
+        if kind is None:
+            raise InvalidArgument(f"unknown parameter {shown(name)} for a {task} model; known parameters: "
+                                  f"{sorted(known)}")
+        ok = {_INT: isinstance(value, int) and not isinstance(value, bool),
+              _BOOL: isinstance(value, bool),
+              _STRING: isinstance(value, str),
+              _NUMBER: isinstance(value, (int, float)) and not isinstance(value, bool)}[kind]
+        if not ok:
+            raise InvalidArgument(f"parameter {name!r} must be {kind}, got {describe(value)} {shown(str(value))}")
+        out[name] = value
+    return out
+
+
+def _requested(task: str, names: Sequence[str]) -> set[str]:
+    outputs = _OUTPUTS[task]
+    if not names:
+        return set(outputs)
+    for name in names:
+        if name not in outputs:
+            raise InvalidArgument(f"unknown output {shown(name)} requested; a {task} model has outputs "
+                                  f"{list(outputs)}")
+    if len(set(names)) != len(names):
+        raise InvalidArgument(f"an output is requested twice: {list(names)}")
+    return set(names)
+
+
+def _texts(task: str, inputs: Sequence[Tensor]) -> dict[str, list[str]]:
+    """Each input tensor as a list of strings, after the checks of :func:`infer_on` (names, BYTES, shapes)."""
+    expected = _INPUTS[task]
+    out: dict[str, list[str]] = {}
+    for tensor in inputs:
+        name = tensor.name
+        if name not in expected:
+            raise InvalidArgument(f"unknown input {shown(name)}; a {task} model takes {_describe_inputs(task)}")
+        if name in out:
+            raise InvalidArgument(f"input {name!r} is sent twice")
+        if tensor.datatype != BYTES:
+            raise InvalidArgument(f"input {name!r} has datatype {shown(tensor.datatype)}; it must be BYTES (UTF-8 "
+                                  f"text)")
+        shape = tuple(tensor.shape)
+        if not (len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)) or shape[0] < 0:
+            raise InvalidArgument(f"input {name!r} has shape {list(shape)}; it must be [N] or [N, 1] (one text per "
+                                  f"row)")
+        if len(tensor.data) != shape[0]:
+            raise InvalidArgument(f"input {name!r} has shape {list(shape)} but {len(tensor.data)} elements")
+        out[name] = [_decode(name, i, v) for i, v in enumerate(tensor.data)]
+    for name, required in expected.items():
+        if required and name not in out:
+            raise InvalidArgument(f"input {name!r} is missing; a {task} model takes {_describe_inputs(task)}")
+    first = next(iter(expected))
+    for name, values in out.items():
+        if len(values) != len(out[first]):
+            raise InvalidArgument(f"input {name!r} has {len(values)} elements but {first!r} has "
+                                  f"{len(out[first])}; send one per {first}")
+    return out
+
+
+def _describe_inputs(task: str) -> str:
+    return ", ".join(f"{n!r} ({'required' if r else 'optional'})" for n, r in _INPUTS[task].items())
+
+
+def _decode(name: str, index: int, value: Any) -> str:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")  # a JSON "\ud800" is a str that no UTF-8 (and no tokenizer) can take
+        except UnicodeEncodeError as exc:
+            raise InvalidArgument(f"input {name!r}[{index}] is not valid UTF-8 text (an unpaired surrogate at "
+                                  f"character {exc.start})") from None
+        return value
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise InvalidArgument(f"input {name!r}[{index}] is {describe(value)}; BYTES elements must be UTF-8 "
+                              f"strings")
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument(f"input {name!r}[{index}] is not valid UTF-8 ({exc.reason} at byte {exc.start})") \
+            from None
+
+
+async def _classify(runner: Runner, inputs: dict[str, list[str]], params: dict[str, Any],
+                    deadline: float | None) -> list[Tensor]:
+    labels = list(runner.info().labels)
+    top_k = params.get("top_k")
+    function = classify.validate_function(params.get("function_to_apply", ""))
+    texts, pairs = classify.validate_classify(inputs["text"], inputs.get("text_pair"), int(top_k or 0),
+                                              len(labels), runner.name, max_texts=runner.config.max_request_texts,
+                                              max_chars=runner.config.max_request_chars)
+    # all labels' scores for `probabilities`; top_k (checked above) only cuts `label`
+    items, _timings = await classify.classify(runner, texts, pairs, 0, deadline, function_to_apply=function)
+    n = len(items)
+    order = labels or [label for label, _ in items[0].labels]
+    column = {label: j for j, label in enumerate(order)}
+    probabilities = [0.0] * (n * len(order))
+    best: list[bytes] = []
+    k = len(order) if top_k == 0 else (top_k or 1)
+    for i, item in enumerate(items):
+        for label, score in item.labels:
+            probabilities[i * len(order) + column[label]] = float(score)
+        best.extend(label.encode() for label, _ in item.labels[:k])  # item.labels is best first
+    label_shape = (n,) if top_k is None else (n, k)
+    return [output("probabilities", FP32, (n, len(order)), probabilities), output("label", BYTES, label_shape, best)]
+
+
+_NO_ANSWER = (b"", -1, -1, 0.0, False)  # pads a QA row with fewer than top_k answers
+
+
+async def _answer(runner: Runner, inputs: dict[str, list[str]], params: dict[str, Any],
+                  deadline: float | None) -> list[Tensor]:
+    questions, contexts = inputs["question"], inputs["context"]
+    cfg = runner.config
+    if not questions:
+        raise InvalidArgument("input 'question' is empty; send at least one question")
+    # request-wide limits first (relserve.v1 Answer has one question; here N share one request's budget)
+    check_request_size(runner.name, len(questions), sum(map(len, questions)) + sum(map(len, contexts)),
+                       cfg.max_request_texts, cfg.max_request_chars)
+    null_threshold = params.get("null_threshold")
+    options = []
+    for i, (question, context) in enumerate(zip(questions, contexts)):
+        try:
+            options.append(qa.validate_for(
+                runner, question, context, top_k=params.get("top_k", 0),
+                max_answer_len=params.get("max_answer_len", 0), doc_stride=params.get("doc_stride", 0),
+                allow_impossible=params.get("allow_impossible", False),
+                null_threshold=None if null_threshold is None else float(null_threshold),
+                align_to_words=params.get("align_to_words")))
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"row {i}: {exc}") if len(questions) > 1 else exc from None
+    results = await qa.answer_all(runner, list(zip(questions, contexts, options)), deadline)
+    n, k = len(results), options[0].top_k
+    columns: list[list] = [[], [], [], [], []]
+    for result in results:
+        rows = [(a.text.encode(), a.start, a.end, float(a.score), bool(a.is_impossible)) for a in result.answers[:k]]
+        rows += [_NO_ANSWER] * (k - len(rows))
+        for row in rows:
+            for column, value in zip(columns, row):
+                column.append(value)
+    return [output(name, dtype, (n, k), column) for name, dtype, column in
+            zip(_OUTPUTS[TASK_QA], (BYTES, INT64, INT64, FP32, BOOL), columns)]
+
+
+async def _translate(runner: Runner, inputs: dict[str, list[str]], params: dict[str, Any],
+                     deadline: float | None) -> list[Tensor]:
+    texts = inputs["text"]
+    options = translate.validate_translate(texts, beam_size=params.get("beam_size", 0),
+                                           n_best=params.get("n_best", 0), max_length=params.get("max_length", 0),
+                                           return_alignment=False, config=runner.config)
+    items = await translate.translate(runner, texts, options, deadline)
+    k = options.n_best
+    data: list[bytes] = []
+    for item in items:
+        hyps = [h.text.encode() for h in item.hypotheses[:k]]
+        data += hyps + [b""] * (k - len(hyps))  # a blank text has one (empty) hypothesis
+    shape = (len(items),) if "n_best" not in params else (len(items), k)
+    return [output("translation", BYTES, shape, data)]

@@ -1,0 +1,102 @@
+"""relserve.v1 messages <-> the task core: each request message decoded into its task's validated request, the
+task called, its result encoded as the response message. The gRPC servicer (``grpc_v1``) sends the messages
+as protobuf bytes; the HTTP routes (``http``) in protobuf's JSON mapping. No torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from relserve.models.decode_types import DecodeOptions
+
+from .._proto import inference_pb2
+from ..registry import ModelRegistry
+from ..tasks import classify as classify_task
+from ..tasks import qa, translate as translate_task
+from ..tasks.translate import StreamEvent, TranslationItem
+
+
+def list_models(registry: ModelRegistry) -> Any:
+    """``ListModelsResponse``: every served model, sorted by name."""
+    out = inference_pb2.ListModelsResponse()
+    for name in registry.names():
+        runner = registry.runners[name]
+        info = runner.info()
+        out.models.add(
+            name=info.name, task=info.task, family=info.family, backend=info.backend, device=info.device,
+            dtype=info.dtype, max_seq_len=info.max_seq_len, labels=list(info.labels),
+            max_batch_size=info.max_batch_size, function_to_apply=classify_task.model_default_function(runner),
+            dtype_reason=info.dtype_reason,
+        )
+    return out
+
+
+async def classify(runner: Any, request: Any, deadline: float | None) -> Any:
+    """A ``ClassifyRequest`` on ``runner`` -> ``ClassifyResponse``."""
+    texts, pairs = classify_task.validate_classify(
+        list(request.texts), list(request.text_pairs), int(request.top_k), len(runner.info().labels), runner.name,
+        max_texts=runner.config.max_request_texts, max_chars=runner.config.max_request_chars)
+    function = classify_task.validate_function(request.function_to_apply)
+    items, _timings = await classify_task.classify(runner, texts, pairs, int(request.top_k), deadline,
+                                                   function_to_apply=function)
+    reply = inference_pb2.ClassifyResponse()
+    for item in items:
+        r = reply.results.add(truncated=item.truncated, num_tokens=item.num_tokens)
+        for label, score in item.labels:
+            r.labels.add(label=label, score=score)
+    return reply
+
+
+async def answer(runner: Any, request: Any, deadline: float | None) -> Any:
+    """An ``AnswerRequest`` on ``runner`` -> ``AnswerResponse``."""
+    question, text = request.question, request.context  # each access decodes the UTF-8 again: once only
+    options = qa.validate_for(
+        runner, question, text, top_k=int(request.top_k), max_answer_len=int(request.max_answer_len),
+        doc_stride=int(request.doc_stride), allow_impossible=request.allow_impossible,
+        null_threshold=request.null_threshold if request.HasField("null_threshold") else None,
+        align_to_words=request.align_to_words if request.HasField("align_to_words") else None,
+    )
+    result = await qa.answer(runner, question, text, options, deadline)
+    reply = inference_pb2.AnswerResponse(num_windows=result.num_windows)
+    for a in result.answers:
+        reply.answers.add(text=a.text, start=a.start, end=a.end, score=a.score, is_impossible=a.is_impossible)
+    return reply
+
+
+def decode_options(runner: Any, request: Any, texts: list[str]) -> DecodeOptions:
+    """The validated decoding options of a ``TranslateRequest`` / ``TranslateStreamRequest``."""
+    return translate_task.validate_translate(texts, beam_size=int(request.beam_size), n_best=int(request.n_best),
+                                             max_length=int(request.max_length),
+                                             return_alignment=bool(request.return_alignment), config=runner.config)
+
+
+async def translate(runner: Any, request: Any, deadline: float | None) -> Any:
+    """A ``TranslateRequest`` on ``runner`` -> ``TranslateResponse``."""
+    texts = list(request.texts)
+    options = decode_options(runner, request, texts)
+    items = await translate_task.translate(runner, texts, options, deadline)
+    reply = inference_pb2.TranslateResponse()
+    for item in items:
+        translation_result(reply.results.add(), item)
+    return reply
+
+
+def stream_message(event: StreamEvent) -> Any:
+    """One ``TranslateStreamResponse`` of a stream (:func:`relserve.service.tasks.translate.translate_stream`)."""
+    msg = inference_pb2.TranslateStreamResponse(text=event.text, tokens=event.tokens, step=event.step,
+                                                final=event.final)
+    if event.result is not None:
+        translation_result(msg.result, event.result)
+    return msg
+
+
+def translation_result(out: Any, item: TranslationItem) -> None:
+    """Fill a ``TranslationResult`` message from one text's :class:`TranslationItem`."""
+    out.num_source_tokens = item.num_source_tokens
+    for h in item.hypotheses:
+        hyp = out.hypotheses.add(text=h.text, score=h.score, log_prob=h.log_prob, tokens=h.output_pieces,
+                                 token_ids=h.output_tokens, truncated=h.truncated)
+        if h.alignment is not None:  # rows: one per token, EOS included; row-major target x source
+            hyp.alignment.source_tokens.extend(item.source_pieces)
+            hyp.alignment.target_tokens.extend(h.pieces)
+            hyp.alignment.weights.extend(float(w) for row in h.alignment for w in row)
