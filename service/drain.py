@@ -74,7 +74,7 @@ class InflightCalls(grpc.aio.ServerInterceptor):
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
         """Count one running call for the block's duration: how calls of another transport (the HTTP/JSON
-        API, service/frontends/http.py) join the drain's wait."""
+        API, service/frontends/http_transport.py) join the drain's wait."""
         self._begin()
         try:
             yield

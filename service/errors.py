@@ -3,7 +3,7 @@
 Anything below the frontends raises one of these; each transport turns them into its wire form from
 :func:`to_status` (the code and message) and the error's fields: the gRPC frontends
 (``frontends/grpc_transport.py``: the status, and the ``grpc-retry-pushback-ms`` trailer from
-``ResourceExhausted.retry_after_s``) and the HTTP routes (``frontends/http.py``: ``HTTP_STATUS`` of the code,
+``ResourceExhausted.retry_after_s``) and the HTTP routes (``frontends/http_transport.py``: ``HTTP_STATUS`` of the code,
 and ``Retry-After``). An exception that is not a :class:`RelserveError` is a bug: it becomes INTERNAL for
 that request only and the server keeps serving.
 

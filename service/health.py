@@ -40,6 +40,10 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
     async def set(self, service: str, status: int) -> None:
         """Set ``service``'s status (``HealthCheckResponse.SERVING`` ...); ignored after
         :meth:`enter_graceful_shutdown`, as in the reference servicer."""
+        self.set_now(service, status)
+
+    def set_now(self, service: str, status: int) -> None:
+        """:meth:`set` from a plain callback on the server's loop (a model's readiness listener)."""
         if self._shutting_down:
             return
         self._status[service] = status

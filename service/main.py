@@ -1,4 +1,4 @@
-"""``relserve serve`` / ``relserve export`` — the command line.
+"""``relserve serve`` / ``relserve export`` / ``relserve call`` — the command line.
 
     relserve serve [--config FILE] [--host HOST] [--port 50051] [--metrics-port 8002]
                    [--model NAME=DIR[,key=value...]]... [--drain-timeout SECONDS] [--log-level LEVEL]
@@ -10,6 +10,10 @@
                    [--max-connection-age S] [--max-connection-age-grace S] [--keepalive-time S]
                    [--keepalive-timeout S] [--keepalive-min-ping-interval S] [--[no-]keepalive-permit-without-calls]
     relserve export CHECKPOINT_DIR OUT_DIR [--opset 18] [--no-parity]   (see relserve.models.onnx.cli)
+    relserve call classify|answer|translate|models|health [--address HOST:PORT] ...   (see relserve.client.cli)
+    relserve --version
+
+A mistyped ``serve`` flag is reported with ``serve``'s usage (its flags), not the top-level one.
 
 Exit codes: 0 after a drain (SIGTERM/SIGINT; calls still running at drain_timeout end UNAVAILABLE), 1 when a
 model fails to load, the port cannot be bound, the drain hangs past drain_timeout + 0.45 s or a second
@@ -36,17 +40,34 @@ EXIT_LINGER_S = 1.0    # after a drain that finished early: time for the last re
                       # cores were busy with other processes (grpc's I/O threads were not scheduled in time)
 
 
+class _SubcommandParser(argparse.ArgumentParser):
+    """A sub-command's parser that refuses arguments it does not know itself: argparse hands them back to the
+    top-level parser, whose error shows the top-level usage instead of the sub-command's flags."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``relserve`` command line: ``serve`` (its flags: :func:`relserve.service.config.add_config_flags`),
-    and the sub-commands that parse their own flags."""
+    ``--version``, and the sub-commands that parse their own flags."""
+    from relserve.client.cli import package_version  # the client's CLI prints the same version
+
     parser = argparse.ArgumentParser(prog="relserve", description="gRPC inference server for DeBERTa-style encoders")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"relserve {package_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
     serve = sub.add_parser("serve", help="serve models over gRPC (relserve.v1.Inference)")
     add_config_flags(serve)
     sub.add_parser("export", add_help=False, help="export a checkpoint to ONNX (custom relative-position ops) "
                                                   "with a parity report against torch (see export --help)")
     sub.add_parser("loadtest", add_help=False,
                    help="load-test a running server (same as python -m relserve.loadtest; see loadtest --help)")
+    sub.add_parser("call", add_help=False,
+                   help="one call to a running server (classify, answer, translate, models, health), the reply "
+                        "printed as JSON (same as python -m relserve.client; see call --help)")
     for name, what in _TRAINERS.items():
         sub.add_parser(name, add_help=False, help=f"train {what} (see {name} --help)")
     return parser
@@ -65,6 +86,9 @@ async def serve(config: ServerConfig, runners=None) -> int:
     Returns:
         1 when the port cannot be bound or a model fails to load (nothing was served); after a signal this
         function does not return.
+
+    Raises:
+        ConfigError: a model's configuration cannot be served (found while loading; ``main`` exits 2).
     """
     from .drain import ExitDeadline, exit_now
     from .server import InferenceServer
@@ -97,6 +121,8 @@ async def serve(config: ServerConfig, runners=None) -> int:
         log.error("model loading failed: %s: %s", type(exc).__name__, exc)
         stopping.cancel()
         await server.stop(0)
+        if isinstance(exc, ConfigError):  # e.g. an ONNX cache directory it cannot write: main() exits 2
+            raise exc
         return 1
     await stopping
     ExitDeadline(config.drain_timeout + EXIT_MARGIN_S, code=1).start()
@@ -127,6 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from relserve.loadtest.cli import main as loadtest_main  # its own flags, parsed there
 
         return loadtest_main(argv[1:])
+    if argv[:1] == ["call"]:
+        from relserve.client.cli import main as call_main  # its own flags; grpc and protobuf only
+
+        return call_main(argv[1:], prog="relserve call")
     if argv[:1] and argv[0] in _TRAINERS:  # training CLIs keep their own flags; imported only when asked for
         module = importlib.import_module(f"relserve.models.training.{argv[0].removeprefix('train-')}")
         return module.main(argv[1:])

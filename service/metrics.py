@@ -5,17 +5,17 @@ memory, CPU seconds, open fds) is exposed next to them. They are created once pe
 several servers in one process (tests) share them, told apart by the ``model`` label.
 
 Exposed at ``http://<metrics_host>:<metrics_port>/metrics`` by :func:`start_http`, which serves that one
-path (every other path is 404: the port is not a health endpoint and must not look like one).
+path (every other path is 404: the port is not a health endpoint and must not look like one) from one thread
+of its own, whatever the number of connections (:class:`MetricsServer`: a connection cap and a read timeout).
 """
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import logging
 import socket
-import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterable
 from urllib.parse import parse_qs, urlsplit
 
@@ -35,8 +35,13 @@ PADDING_EFFICIENCY_BUCKETS = (0.25, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 1
 
 UNKNOWN_MODEL = "_unknown_"  # label for requests naming a model that is not loaded (bounded cardinality)
 
+# the wire surface a request came by (the ``protocol`` label of relserve_requests_total): relserve.v1 gRPC, KServe v2
+# gRPC, KServe v2 REST, relserve's HTTP/JSON /v1 routes, KServe v1, the Hugging Face Inference API, TEI; "grpc" /
+# "http" for a call refused before it reached a surface (a token refused on grpc.health.v1 or reflection; an HTTP
+# path no surface serves)
+PROTOCOLS = ("grpc_v1", "kserve_v2_grpc", "kserve_v2_http", "http_v1", "kserve_v1", "hf", "tei", "grpc", "http")
 REQUESTS = Counter(
-    "relserve_requests", "RPCs answered, by status code", ["model", "task", "code"]
+    "relserve_requests", "RPCs answered, by status code and wire protocol", ["model", "task", "code", "protocol"]
 )
 REQUEST_DURATION = Histogram(
     "relserve_request_duration_seconds", "RPC time from arrival to reply", ["model", "task"],
@@ -196,8 +201,10 @@ def remove_worker_source(model: str, source: WorkerSource) -> None:
 
 # ---------------------------------------------------------------------- recording helpers
 
-def observe_request(model: str, task: str, code: str, seconds: float) -> None:
-    REQUESTS.labels(model, task, code).inc()
+def observe_request(model: str, task: str, code: str, seconds: float, *, protocol: str) -> None:
+    """One answered request: ``relserve_requests_total`` under its ``protocol`` (one of :data:`PROTOCOLS`), the
+    duration (and a RESOURCE_EXHAUSTED refusal's) under model and task."""
+    REQUESTS.labels(model, task, code, protocol).inc()
     REQUEST_DURATION.labels(model, task).observe(seconds)
     if code == "RESOURCE_EXHAUSTED":
         REJECTION_DURATION.labels(model, task).observe(seconds)
@@ -257,10 +264,10 @@ def remove_memory_source(source: MemorySource) -> None:
     _GPU.remove(source)
 
 
-def count_refused(task: str, code: str) -> None:
+def count_refused(task: str, code: str, *, protocol: str) -> None:
     """A call refused before any handler ran (e.g. UNAUTHENTICATED): counted in relserve_requests_total with
-    model ``_unknown_`` (the request was never decoded), no duration observed."""
-    REQUESTS.labels(UNKNOWN_MODEL, task, code).inc()
+    model ``_unknown_`` (the request was never decoded) under its ``protocol``, no duration observed."""
+    REQUESTS.labels(UNKNOWN_MODEL, task, code, protocol).inc()
 
 
 METRICS_PATH = "/metrics"
@@ -277,74 +284,164 @@ def exposition(accept: str, accept_encoding: str, names: list[str] | None = None
         return gzip.compress(output), content_type, "gzip"
     return output, content_type, None
 _NOT_FOUND = b"404 not found: this port serves only /metrics\n"
+# the metrics port's own bounds: one scrape needs one short connection, so a few dozen are plenty; a client
+# gets this long for its request head (a trickling connection is closed then, holding nothing but a socket)
+METRICS_MAX_CONNECTIONS = 64
+METRICS_READ_TIMEOUT_S = 10.0
+_MAX_HEAD = 16 * 1024  # bytes of request line + headers (http.server allowed 64 KiB lines; a scrape sends ~200 B)
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 408: "Request Timeout", 431: "Request Header Fields "
+            "Too Large", 501: "Not Implemented", 505: "HTTP Version Not Supported"}
 
 
-class _MetricsHandler(BaseHTTPRequestHandler):
-    """GET / HEAD ``/metrics``: the default registry in the exposition format the scraper's Accept header asks
+class MetricsServer:
+    """``/metrics`` (only; 404 elsewhere) on one thread of its own that runs an asyncio loop: any number of
+    connections costs one thread, at most ``max_connections`` are open (more are closed at once), and a client
+    that has not sent its request head within ``read_timeout`` seconds is disconnected, so trickling clients
+    hold neither threads nor the port. Each connection carries one request (``Connection: close``).
+
+    GET / HEAD ``/metrics``: the default registry in the exposition format the scraper's Accept header asks
     for (prometheus_client's ``choose_encoder``; gzip when accepted; ``?name[]=`` filters as in
-    prometheus_client's own handler). Any other path: 404. Other methods: http.server's 501."""
+    prometheus_client's own handler). Any other path: 404. Other methods: 501.
 
-    server_version = "relserve-metrics"
-    timeout = 10  # seconds per connection: an idle client must not hold a handler thread for ever
+    Use :func:`start_http`; stop with ``shutdown()`` then ``server_close()`` (as socketserver's servers).
+    """
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        self._reply(body=True)
+    def __init__(self, sock: socket.socket, read_timeout: float, max_connections: int) -> None:
+        self.socket = sock
+        self.server_port = sock.getsockname()[1]
+        self.read_timeout = read_timeout
+        self.max_connections = max_connections
+        self.open = 0       # connections now
+        self.refused = 0    # connections closed at once (over max_connections)
+        self.timed_out = 0  # connections closed for want of a request head within read_timeout
+        self._loop = asyncio.new_event_loop()
+        self._server: asyncio.AbstractServer | None = None
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="relserve-metrics", daemon=True)
 
-    def do_HEAD(self) -> None:  # noqa: N802
-        self._reply(body=False)
+    def start(self) -> None:
+        self.thread.start()
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
 
-    def _reply(self, body: bool) -> None:
-        url = urlsplit(self.path)
-        if url.path != METRICS_PATH:
-            status, content_type, output, encoding = 404, "text/plain; charset=utf-8", _NOT_FOUND, None
-        else:
-            output, content_type, encoding = exposition(self.headers.get("Accept", ""),
-                                                        self.headers.get("Accept-Encoding", ""),
-                                                        parse_qs(url.query).get("name[]"))
-            status = 200
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        if encoding:
-            self.send_header("Content-Encoding", encoding)
-        self.send_header("Content-Length", str(len(output)))
-        self.end_headers()
-        if body:
-            self.wfile.write(output)
-
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 - one line per scrape would flood the log
-        pass
-
-
-class _MetricsServer(ThreadingHTTPServer):
-    daemon_threads = True  # a scrape in progress never holds up process exit
-
-    def handle_error(self, request, client_address) -> None:
-        """socketserver's default prints a traceback to stderr for every failed connection, so any client that
-        resets its connection (a port scan, an aborted scrape) could flood the log with 15 lines a time. A client
-        going away is not an error; anything else is one log line without a traceback."""
-        exc = sys.exc_info()[1]
-        if isinstance(exc, (ConnectionError, TimeoutError)):
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._server = self._loop.run_until_complete(
+                asyncio.start_server(self._serve, sock=self.socket, limit=_MAX_HEAD))
+        except BaseException as exc:  # reported by start()
+            self._error = exc
+            self._started.set()
             return
-        log.warning("metrics request from %s failed: %s: %s", client_address[0], type(exc).__name__,
-                    str(exc)[:200])
+        self._started.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+        self._loop.close()
+
+    def shutdown(self) -> None:
+        """Stop serving (open connections are closed) and end the thread."""
+        if not self.thread.is_alive():
+            return
+
+        async def close() -> None:
+            if self._server is not None:
+                self._server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:  # the open connections
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(close(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self.thread.join(5)
+
+    def server_close(self) -> None:
+        """Close the listening socket (after :meth:`shutdown`)."""
+        self.socket.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.open >= self.max_connections:
+            self.refused += 1
+            writer.transport.abort()
+            return
+        self.open += 1
+        try:
+            try:
+                async with asyncio.timeout(self.read_timeout):
+                    head = await reader.readuntil(b"\r\n\r\n")
+            except TimeoutError:
+                self.timed_out += 1
+                return await self._reply(writer, 408, b"408 the request head did not arrive in time\n")
+            except asyncio.LimitOverrunError:
+                return await self._reply(writer, 431, b"431 request head too large\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return  # the client went away (a port scan, an aborted scrape): nothing to log
+            await self._answer(writer, head)
+        except (ConnectionError, TimeoutError):
+            pass
+        except Exception as exc:  # one line, no traceback: the port keeps serving
+            log.warning("metrics request failed: %s: %s", type(exc).__name__, str(exc)[:200])
+        finally:
+            self.open -= 1
+            writer.close()
+
+    async def _answer(self, writer: asyncio.StreamWriter, head: bytes) -> None:
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            return await self._reply(writer, 400, b"400 bad request line\n")
+        method, target = parts[0], parts[1]
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
+        if method not in ("GET", "HEAD"):
+            return await self._reply(writer, 501, f"501 unsupported method {method[:40]!r}\n".encode())
+        url = urlsplit(target)
+        if url.path != METRICS_PATH:
+            return await self._reply(writer, 404, _NOT_FOUND, body=method == "GET")
+        output, content_type, encoding = exposition(headers.get("accept", ""), headers.get("accept-encoding", ""),
+                                                    parse_qs(url.query).get("name[]"))
+        await self._reply(writer, 200, output, content_type, encoding, body=method == "GET")
+
+    async def _reply(self, writer: asyncio.StreamWriter, status: int, output: bytes,
+                     content_type: str = "text/plain; charset=utf-8", encoding: str | None = None,
+                     body: bool = True) -> None:
+        head = [f"HTTP/1.1 {status} {_REASONS.get(status, '')}", "Server: relserve-metrics",
+                f"Content-Type: {content_type}", f"Content-Length: {len(output)}", "Connection: close"]
+        if encoding:
+            head.append(f"Content-Encoding: {encoding}")
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (output if body else b""))
+        async with asyncio.timeout(self.read_timeout):  # a client that does not read cannot hold the reply
+            await writer.drain()
 
 
-def start_http(port: int, addr: str = "0.0.0.0"):
+def start_http(port: int, addr: str = "0.0.0.0", *, read_timeout: float = METRICS_READ_TIMEOUT_S,
+               max_connections: int = METRICS_MAX_CONNECTIONS) -> tuple[MetricsServer, int]:
     """Serve ``/metrics`` (only; 404 elsewhere) on ``addr:port`` (0 picks a free port; IPv4 or IPv6 address
-    or host name) from a daemon thread. Returns ``(server, bound_port)``; stop it with ``server.shutdown()``
-    then ``server.server_close()``.
+    or host name) from one daemon thread (:class:`MetricsServer`). Returns ``(server, bound_port)``; stop it
+    with ``server.shutdown()`` then ``server.server_close()``.
 
     Raises:
         RuntimeError: the address does not resolve or the port could not be bound (message names both).
     """
     try:
         family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-        server_class = type("_MetricsServerFamily", (_MetricsServer,), {"address_family": family})
-        server = server_class((addr, port), _MetricsHandler)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as socketserver's HTTP servers
+            sock.bind((addr, port))
+            sock.listen(128)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
     except OSError as exc:
         raise RuntimeError(f"cannot bind metrics port {addr}:{port}: {exc.strerror or exc}; "
                            f"choose another --metrics-port / --metrics-host (-1 disables metrics)") from None
-    # poll_interval bounds how long shutdown() waits (http.server's default 0.5 s would eat into the drain budget)
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="relserve-metrics",
-                     daemon=True).start()
+    server = MetricsServer(sock, read_timeout, max_connections)
+    server.start()
     return server, server.server_port

@@ -44,7 +44,7 @@ class ModelRegistry:
         if runner is None:
             raise NotFound(f"model {shown(name)} is not loaded; loaded models: {self.names()}")
         if not runner.ready:
-            raise Unavailable(f"model {name!r} is not ready yet (state: {runner.state}); retry later")
+            raise Unavailable(runner.not_ready_message())
         if runner.task != task:
             rpc = {TASK_CLASSIFICATION: "Classify", TASK_QA: "Answer"}.get(runner.task or "", "Translate")
             raise FailedPrecondition(

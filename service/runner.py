@@ -20,7 +20,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from . import metrics
 from .backends.base import TASK_QA, TASK_TRANSLATION, Backend, ModelMeta, StepBackend
@@ -79,6 +79,10 @@ class Runner:
         # the server's compute scheduler (set by InferenceServer before start; None: the model computes
         # without coordinating with other models)
         self.compute: ComputeScheduler | None = None
+        # why a started model cannot compute now (its worker process is being replaced); None: it can
+        self.unavailable: str | None = None
+        # called with ``ready`` whenever it changes after start (the server's per-model health)
+        self.readiness_listeners: list[Callable[[bool], None]] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -121,6 +125,26 @@ class Runner:
         if self.backend.worker_processes:  # worker_process: its children's CPU and memory
             metrics.add_worker_source(self.name, self.backend.process_stats)
         self.state = "ready"
+        loop = asyncio.get_running_loop()
+        # a worker that dies, hangs or overruns its batch turns the model not ready until it is replaced
+        self.backend.watch(lambda reason: loop.call_soon_threadsafe(self._set_unavailable, reason))
+
+    def _set_unavailable(self, reason: str | None) -> None:
+        """On the loop: the backend says the model cannot compute (``reason``) or can again (None). Queued
+        calls fail UNAVAILABLE naming the reason and new ones are refused with it until then."""
+        if self.state != "ready" or reason == self.unavailable:
+            return
+        was_ready = self.ready
+        self.unavailable = reason
+        if reason is not None:
+            log.warning("model %r: not ready: %s", self.name, reason)
+            self.scheduler.suspend(reason)
+        else:
+            log.info("model %r: ready again", self.name)
+            self.scheduler.resume()
+        if self.ready != was_ready:
+            for listener in self.readiness_listeners:
+                listener(self.ready)
 
     async def close(self) -> None:
         """Stop the scheduler (queued and running work fails with UNAVAILABLE) and close the backend."""
@@ -170,7 +194,14 @@ class Runner:
 
     @property
     def ready(self) -> bool:
-        return self.state == "ready"
+        """Loaded, warmed, started and able to compute now (ModelReady, per-model health)."""
+        return self.state == "ready" and self.unavailable is None
+
+    def not_ready_message(self) -> str:
+        """Why the model takes no calls now, for an UNAVAILABLE refusal."""
+        if self.state == "ready" and self.unavailable is not None:
+            return f"model {self.name!r} is not ready: {self.unavailable}; retry later"
+        return f"model {self.name!r} is not ready yet (state: {self.state}); retry later"
 
     @property
     def task(self) -> str | None:
@@ -200,6 +231,8 @@ class Runner:
         """
         if self.state != "ready" or self.scheduler is None:
             raise Unavailable(f"model {self.name!r} is not ready (state: {self.state}); retry later")
+        if self.unavailable is not None:
+            raise Unavailable(self.not_ready_message())
         return self.scheduler
 
 
@@ -272,7 +305,8 @@ class ModelRunner(Runner):
         # every backend call is given the compute budget of the batcher's lane
         batcher = Batcher(
             self.name,
-            lambda payloads: self.backend.run(payloads, batcher.budget),
+            self.backend.run,  # with its call's budget: the lane's, and the cost model's prediction
+            budgeted=True,
             max_batch_size=max_batch,
             max_batch_tokens=self.config.max_batch_tokens,
             max_queue_delay=self.config.max_queue_delay,

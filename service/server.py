@@ -1,5 +1,5 @@
 """The grpc.aio server: Inference (frontends/grpc_v1.py) + KServe v2 (frontends/kserve_v2_grpc.py) + health +
-reflection, metrics over HTTP, the HTTP/JSON API (frontends/http.py), load/warm-up, drain.
+reflection, metrics over HTTP, the HTTP/JSON API (frontends/http_transport.py with its surfaces), load/warm-up, drain.
 
 Security (keys in service/config.py, mechanics in service/auth.py): TLS or mTLS on the gRPC port, bearer
 tokens checked by an interceptor before any request is decoded (health open unless ``auth_health``;
@@ -26,6 +26,7 @@ into grpc channel arguments of the main server.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 from typing import Sequence
@@ -37,6 +38,8 @@ from . import auth, metrics
 from . import reflection  # v1alpha (grpcio-reflection) and v1 (delegating to it)
 from .frontends import kserve_v2_grpc
 from .frontends.grpc_v1 import SERVICE_NAME, InferenceServicer, add_to_server
+from .frontends.grpc_transport import CallGuard
+from .frontends.http_guard import ListenerLimits, raise_open_files_limit
 from .scheduling.cores import ComputeScheduler, partition
 from .config import ServerConfig
 from .drain import InflightCalls
@@ -124,8 +127,21 @@ def refused_task(method: str) -> str:
     return _REFUSED_TASKS.get(service, metrics.UNKNOWN_MODEL)
 
 
+def refused_protocol(method: str) -> str:
+    """The ``protocol`` label for a refused call to ``method``: the service's surface (``grpc_v1``,
+    ``kserve_v2_grpc``), else ``grpc`` (health, reflection, an unknown service)."""
+    service = method.lstrip("/").partition("/")[0]
+    return {SERVICE_NAME: "grpc_v1", kserve_v2_grpc.SERVICE_NAME: "kserve_v2_grpc"}.get(service, "grpc")
+
+
 def _count_unauthenticated(method: str) -> None:
-    metrics.count_refused(refused_task(method), grpc.StatusCode.UNAUTHENTICATED.name)
+    metrics.count_refused(refused_task(method), grpc.StatusCode.UNAUTHENTICATED.name,
+                          protocol=refused_protocol(method))
+
+
+def _count_guard_refusal(method: str, status: grpc.StatusCode) -> None:
+    """A call the CallGuard answered itself (over max_concurrent_rpcs, request late or missing)."""
+    metrics.count_refused(refused_task(method), status.name, protocol=refused_protocol(method))
 
 
 class InferenceServer:
@@ -140,9 +156,10 @@ class InferenceServer:
         self._metrics_http = None
         self.health_port: int | None = None  # the plaintext health-only listener (health_port), when on
         self._health_server: grpc.aio.Server | None = None
-        self.http_port: int | None = None  # the HTTP/JSON API (http_port, service/frontends/http.py), when on
+        self.http_port: int | None = None  # the HTTP/JSON API (http_port, service/frontends/http_transport.py), when on
         self._http = None
         self._stopped = asyncio.Event()
+        self.guard: CallGuard | None = None  # the gRPC port's call cap and request-read deadline (start())
         self._inflight = InflightCalls((f"/{SERVICE_NAME}/", kserve_v2_grpc.INFER_METHOD))  # what a drain waits for
         self._runners_closed = False
         # one per process: how the models' backend calls share the cores (compute_scheduling)
@@ -170,6 +187,9 @@ class InferenceServer:
                 auth.read_tokens(cfg.auth_token_file), on_refused=_count_unauthenticated,
                 open_methods=() if cfg.auth_health else (f"/{health.SERVICE_NAME}/", *kserve_v2_grpc.PROBE_METHODS)))
         token_check = interceptors[0] if interceptors else None  # the HTTP/JSON port checks the same tokens
+        # every connection is a descriptor: the soft limit up to the hard one (logged); the HTTP listener's
+        # connection cap stays below it (frontends/http_guard.py)
+        self.open_files_limit = raise_open_files_limit()[1]
         if cfg.metrics_port is not None:  # bound first: a busy port then fails before any gRPC state exists
             metrics_host = cfg.metrics_host or cfg.host
             self._metrics_http, self.metrics_port = metrics.start_http(cfg.metrics_port, metrics_host)
@@ -190,14 +210,23 @@ class InferenceServer:
         self.health = HealthServicer()  # its Watch streams end when a drain has answered the in-flight calls
         for service in HEALTH_SERVICES:
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in self.registry.names():  # each model's own service: SERVING while it can compute
+            if name not in HEALTH_SERVICES:
+                await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-        self.server = grpc.aio.server(interceptors=[*interceptors, self._inflight], options=[
+        # first: the call cap and the request-read deadline hold for every call, before auth and the drain's count
+        self.guard = CallGuard(max_calls=cfg.max_concurrent_rpcs, read_timeout=cfg.request_read_timeout or None,
+                               exempt=(f"/{health.SERVICE_NAME}/", *kserve_v2_grpc.PROBE_METHODS),
+                               on_refused=_count_guard_refusal)
+        self.server = grpc.aio.server(interceptors=[self.guard, *interceptors, self._inflight], options=[
             ("grpc.max_receive_message_length", cfg.max_receive_message_length),
             ("grpc.max_send_message_length", cfg.max_send_message_length),
+            ("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
             ("grpc.so_reuseport", 0),
             *connection_options(cfg),
         ])
-        servicer = InferenceServicer(self.registry, cfg.max_send_message_length)
+        servicer = InferenceServicer(self.registry, cfg.max_send_message_length,
+                                     stream_write_timeout=cfg.stream_write_timeout or None)
         add_to_server(servicer, self.server)
         # KServe v2 / Open Inference Protocol beside relserve.v1: same port, interceptors, registry, metrics
         kserve_v2_grpc.add_to_server(kserve_v2_grpc.GRPCInferenceServicer(self.registry, cfg.max_send_message_length),
@@ -210,16 +239,23 @@ class InferenceServer:
         self.port = _bind(self.server, f"{cfg.host}:{cfg.port}", "gRPC", credentials)
         if cfg.health_port is not None:
             # A second server with the same HealthServicer: drain flips both; nothing else is served there.
-            self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            self._health_server = grpc.aio.server(
+                interceptors=[CallGuard(read_timeout=cfg.request_read_timeout or None,
+                                        on_refused=_count_guard_refusal)],
+                options=[("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", cfg.max_concurrent_streams)])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
             health_host = cfg.health_host or cfg.host
             self.health_port = _bind(self._health_server, f"{health_host}:{cfg.health_port}", "health-only", None)
         if cfg.http_port is not None:
             # on this event loop, with the tokens, TLS files, message limits and the drain's call count
-            from .frontends.http import HttpApi, ssl_context
-            self._http = HttpApi(self.registry, self._inflight, max_body=cfg.max_receive_message_length,
-                                 max_reply=cfg.max_send_message_length,
-                                 tokens=token_check, auth_health=cfg.auth_health)
+            # each HTTP surface adds its routes to the one listener
+            from .frontends import hf_inference, http_v1, http_v2, kserve_v1, tei
+            from .frontends.http_transport import HttpTransport, ssl_context
+            self._http = HttpTransport(self.registry, self._inflight, max_body=cfg.max_receive_message_length,
+                                       max_reply=cfg.max_send_message_length, tokens=token_check,
+                                       auth_health=cfg.auth_health,
+                                       surfaces=(http_v2, http_v1, kserve_v1, hf_inference, tei),
+                                       limits=ListenerLimits.from_config(cfg))
             tls = ssl_context(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if credentials else None
             self.http_port = await self._http.start(cfg.http_host or cfg.host, cfg.http_port, tls)
             log.info("HTTP/JSON API (%s) on %s:%d", "https" if tls else "http", cfg.http_host or cfg.host,
@@ -249,6 +285,8 @@ class InferenceServer:
             log.info("model %r: loading from %s", runner.name, runner.config.path)
             await asyncio.to_thread(runner.load)
             await runner.start()
+            self._model_health(runner.name, runner.ready)  # and again whenever its worker is replaced
+            runner.readiness_listeners.append(functools.partial(self._model_health, runner.name))
             info = runner.info()
             log.info("model %r: ready (%s, %s, %s on %s, max_seq_len %d, max_batch_size %d)", info.name,
                      info.task, info.family, info.dtype, info.device, info.max_seq_len, info.max_batch_size)
@@ -258,6 +296,13 @@ class InferenceServer:
         for service in HEALTH_SERVICES:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving on %s:%d (models: %s)", self.config.host, self.port, ", ".join(self.registry.names()))
+
+    def _model_health(self, name: str, ready: bool) -> None:
+        """Model ``name``'s own grpc.health.v1 service follows its readiness (a worker being replaced turns it
+        NOT_SERVING); the server's ("" and the Inference service) stays as it is: the other models serve."""
+        if self.health is not None and name not in HEALTH_SERVICES:
+            self.health.set_now(name, health_pb2.HealthCheckResponse.SERVING if ready
+                                else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def _trim_heaps(self) -> None:
         """Return what warm-up freed to the OS, here and in each worker process (service/backends/heap.py)."""

@@ -121,3 +121,17 @@ def hf_tokenizer():
         return cache[key]
 
     return get
+
+
+# test files that run a real client library from its own venv (tests/fixtures/client_venvs.py)
+_CLIENT_VENV_USERS = ("test_real_clients.py", "test_kserve_v2.py", "test_kserve.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Start building the client-library venvs as soon as a test that needs them is selected: pip runs in
+    background subprocesses while the tests before them run, instead of stalling the first of them (about 90 s
+    on a fresh clone). Nothing is built for a run that selects none of them."""
+    if any(Path(str(item.fspath)).name in _CLIENT_VENV_USERS for item in items):
+        from fixtures import client_venvs
+
+        client_venvs.start(client_venvs.TRITONCLIENT, client_venvs.KSERVE, client_venvs.HUGGINGFACE_HUB)

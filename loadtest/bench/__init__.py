@@ -5,6 +5,6 @@ docs/performance.md.
 
 Offline, in one process: ``encoder`` (ours vs transformers), ``unpadded``, ``relpos``, ``onnx_encoder``, ``onnx_ops``,
 ``onnx_translation``, ``decode_step``, ``train_autocast``, ``instances``. Against ``relserve serve``: ``serving``,
-``translation``, ``isolation``, ``hostile``. ``cpu`` runs the CPU paths of several of them in one run. ``randmodel``
+``translation``, ``isolation``, ``hostile``, ``http_flood``, ``grpc_flood``, ``shape_soak``. ``cpu`` runs the CPU paths of several of them in one run. ``randmodel``
 (random checkpoints) and ``gil`` (py-spy GIL sampling) are their helpers.
 """

@@ -161,4 +161,6 @@ def load_tokenizer(directory: str | os.PathLike, spm_normalization: str = "spm",
         source=source,
         vocab_size=vocab_size,
         special_token_ids=special_ids,
+        cls_token=names["cls"],
+        sep_token=names["sep"],
     )

@@ -49,6 +49,8 @@ class Tokenizer:
     source: str
     vocab_size: int = 0
     special_token_ids: frozenset[int] = field(default_factory=frozenset)
+    cls_token: str = "[CLS]"  # the template's special tokens as strings (TEI's /tokenize shows them)
+    sep_token: str = "[SEP]"
 
     # ---- raw tokenization -------------------------------------------------------------------------
 

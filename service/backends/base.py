@@ -29,6 +29,7 @@ Every call except ``memory_stats`` comes from the model's executor thread, never
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
@@ -75,17 +76,25 @@ class CallBudget:
         layer_hook: run between encoder sub-layers (torch forward pre-hooks): where a long call may hand the
             cores to a waiting model (``compute_scheduling: fair``). Raises
             :class:`relserve.service.errors.Unavailable` when the model is shutting down.
+        expected_s: the seconds the model's cost model predicts for this call (the batcher's
+            :mod:`relserve.service.scheduling.cost_model`); None before it has a prediction. A worker process
+            that has not answered within a multiple of it is declared hung (``worker_batch_timeout``).
     """
 
     threads: Callable[[], int] = _default_threads
     layer_hook: Callable[[], None] = _no_layer_hook
+    expected_s: float | None = None
 
     @classmethod
-    def fixed(cls, threads: int) -> "CallBudget":
+    def fixed(cls, threads: int, expected_s: float | None = None) -> "CallBudget":
         """``threads`` for the whole call and no hand-over (a worker process applying the share its parent's
-        scheduler gave the call)."""
+        scheduler gave the call); ``expected_s`` as the parent's call had it."""
         n = max(0, int(threads))
-        return cls(threads=lambda: n)
+        return cls(threads=lambda: n, expected_s=expected_s)
+
+    def expecting(self, seconds: float | None) -> "CallBudget":
+        """This budget for a call the cost model expects to take ``seconds`` (None: no prediction yet)."""
+        return dataclasses.replace(self, expected_s=seconds)
 
 
 UNBUDGETED = CallBudget()  # outside the compute scheduler: the backend's default threads, no hand-over
@@ -114,6 +123,12 @@ class _Lifecycle(Protocol):
 
     def trim_heap(self) -> bool:
         """Return freed heap to the OS in the worker processes (the server trims its own); whether any was."""
+        ...
+
+    def watch(self, listener: Callable[[str | None], None]) -> None:
+        """Start supervising the worker processes: ``listener(reason)`` (from any thread) when the model can no
+        longer compute (a worker died, is stopped, or a call ran past ``worker_batch_timeout``: it is then
+        killed and replaced), ``listener(None)`` once the replacement has warmed. A no-op in-process."""
         ...
 
     def close(self) -> None: ...
@@ -149,6 +164,10 @@ class BackendDefaults:
     def trim_heap(self) -> bool:
         """False: nothing to trim outside the server's own process."""
         return False
+
+    def watch(self, listener: Callable[[str | None], None]) -> None:
+        """Nothing to supervise: no worker process."""
+        return None
 
 
 class EncoderBackendDefaults(BackendDefaults):

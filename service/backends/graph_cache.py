@@ -33,6 +33,7 @@ help (the tolerance keys), not "delete the entry".
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -78,6 +79,28 @@ def _export_into(cache: Path, export: Callable[[Path], None]) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# errors of the disk under the cache (full, read-only, not ours to write), not of the graphs in it
+_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM})
+
+
+def _disk_error(config: ModelConfig, where: Path, exc: BaseException) -> ConfigError | None:
+    """A :class:`ConfigError` naming ``where``, the checkpoint and the fix, when ``exc`` (or an error it was
+    raised from: exporters wrap what they hit) is the disk refusing a write; None for anything else."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
+            path = Path(config.path)
+            return ConfigError(
+                f"model {config.name!r}: cannot write the ONNX graph cache {str(where)!r} for checkpoint "
+                f"{str(path)!r}: {exc.strerror or exc} ({errno.errorcode.get(exc.errno, exc.errno)}"
+                f"{f', {exc.filename}' if exc.filename else ''}); free space there or make it writable, point "
+                f"onnx_cache_dir at a writable directory, or export the graphs beside the checkpoint once with "
+                f"`relserve export {path} {path / 'onnx'}`")
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _check_report(config: ModelConfig, d: Path, digest: str, report: Mapping[str, Any] | None) -> None:
@@ -243,8 +266,27 @@ def load_graphs(config: ModelConfig, names: Sequence[str], export: Callable[[Pat
             log.info("model %r: using the exported graphs in %s", config.name, d)
             return result, d
     root = Path(os.path.abspath(config.resolved_onnx_cache_dir()))
-    file_trust.make_private_dir(root, f"model {config.name!r}: onnx_cache_dir")
+    file_trust.make_private_dir(root, f"model {config.name!r} (checkpoint {str(path)!r}): onnx_cache_dir")
     cache = root / (digest if variant is None else f"{digest}-{variant}")
+    try:
+        return _load_cached(config, names, export, open_and_check, root, cache, digest, variant)
+    except OSError as exc:  # the disk refused a write (full, read-only): a ConfigError naming it, exit 2
+        disk = _disk_error(config, cache, exc)
+        if disk is not None:
+            raise disk from exc
+        raise
+
+
+def _load_cached(config: ModelConfig, names: Sequence[str], export: Callable[[Path], None],
+                 open_and_check: Callable[[Path, str, Mapping[str, bytes]], T], root: Path, cache: Path,
+                 digest: str, variant: str | None) -> tuple[T, Path]:
+    """:func:`load_graphs` in the cache entry ``cache`` under ``root`` (exported there when missing or
+    broken, once).
+
+    Raises:
+        as :func:`load_graphs`; OSError (or an exporter's error raised from one) when the disk refuses a write.
+    """
+    path = Path(config.path)
     exported_now = False
     for attempt in (1, 2):
         if not all((cache / n).is_file() for n in names):
@@ -255,7 +297,13 @@ def load_graphs(config: ModelConfig, names: Sequence[str], export: Callable[[Pat
                 shutil.rmtree(cache, ignore_errors=True)
             if variant is None:  # a variant's build logs what it does (e.g. "quantizing ... to int8")
                 log.info("model %r: no ONNX graphs yet; exporting %s to %s", config.name, path, cache)
-            _export_into(cache, export)
+            try:
+                _export_into(cache, export)
+            except Exception as exc:  # exporters wrap the OSError of a full or read-only disk in their own
+                disk = _disk_error(config, cache, exc)
+                if disk is not None:
+                    raise disk from exc
+                raise
             exported_now = True
         try:
             advice = f"delete {cache} to export again"

@@ -3,6 +3,8 @@ backends bind torch tensors too): one reading of ``device: auto|cpu|cuda[:N]`` a
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..errors import ConfigError
@@ -58,3 +60,21 @@ def release_cuda_cache(device: str) -> None:
     """Return cached CUDA blocks to the driver after a model is dropped (no-op on CPU)."""
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
+
+
+# torch's CPU kernel caches keyed by input shape, and the sizes that keep them from growing with every new shape
+KERNEL_CACHE_ENV = {"LRU_CACHE_CAPACITY": "1", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
+
+
+def bound_kernel_caches() -> dict[str, str]:
+    """Cap torch's per-shape CPU kernel caches in this process: ideep's (``LRU_CACHE_CAPACITY``) and oneDNN's
+    primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``), each unless the environment already sets it. Both are
+    read when the first such kernel is created, so this must run before the first bfloat16 / oneDNN op of the
+    process (a backend's ``load``); later it changes nothing. Returns the variables it set.
+
+    Why: with their default capacities (1024 entries each) every new [batch, length] shape keeps its kernels:
+    the default sentiment model in bfloat16, single texts of 100 new lengths, grew +267 MB with the heap
+    trimmed after each batch, +6 MB with these caps (the same batches' times did not grow measurably)."""
+    set_now = {k: v for k, v in KERNEL_CACHE_ENV.items() if k not in os.environ}
+    os.environ.update(set_now)
+    return set_now

@@ -17,8 +17,10 @@ from ..config import ModelConfig, check_dtype_for_device
 from ..errors import ConfigError
 from .base import TASK_CLASSIFICATION, TASK_QA, UNBUDGETED, CallBudget, EncoderBackendDefaults, ModelMeta
 from . import precision
+from .heap import HeapBound
 from .padding import WarmupEncoding, pad_batch, probe_encodings
-from .torch_device import DTYPES, cuda_memory_stats, release_cuda_cache, resolve_device, use_threads
+from .torch_device import (DTYPES, bound_kernel_caches, cuda_memory_stats, release_cuda_cache, resolve_device,
+                           use_threads)
 from .torch_yield import add_yield_points
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,8 @@ class TorchBackend(EncoderBackendDefaults):
         self._use_token_type = False
         self._lock = threading.Lock()  # one batch at a time even if someone shares the instance
         self._budget = UNBUDGETED  # the running call's (its yield points read it)
+        # each new input shape leaves freed heap held; trimmed once it exceeds heap_trim_mb (heap.HeapBound)
+        self.heap = HeapBound(config.heap_trim_mb)
 
     # -------------------------------------------------------------- contract
 
@@ -52,6 +56,11 @@ class TorchBackend(EncoderBackendDefaults):
         self.device = resolve_device(self.config.name, self.config.device)
         check_dtype_for_device(self.config.name, self.config.dtype, self.device)
         self.plan = precision.plan(self.config, self.device)
+        if self.device == "cpu" and self.config.heap_trim_mb > 0:  # before the first forward (warm-up, the gate)
+            capped = bound_kernel_caches()
+            if capped:
+                log.info("model %r: torch CPU kernel caches capped (%s)", self.config.name,
+                         ", ".join(f"{k}={v}" for k, v in capped.items()))
         self.dtype = DTYPES[self.plan.dtype]
         ckpt = load_checkpoint(self.config.path, device=self.device, dtype=self.dtype,
                                spm_normalization=self.config.spm_normalization)
@@ -142,12 +151,15 @@ class TorchBackend(EncoderBackendDefaults):
         ids, mask, types = pad_batch(batch, self._pad_id)
         lengths = [len(item.input_ids) for item in batch]
         use_threads(self.config.torch_intra_op_threads or budget.threads())
-        with self._lock, torch.inference_mode():
-            self._budget = budget
-            try:
-                return self._forward(batch, ids, mask, types, lengths)
-            finally:
-                self._budget = UNBUDGETED
+        with self._lock:
+            with torch.inference_mode():
+                self._budget = budget
+                try:
+                    out = self._forward(batch, ids, mask, types, lengths)
+                finally:
+                    self._budget = UNBUDGETED
+            self.heap.after_batch()  # the batch's tensors are freed by now (results are numpy copies)
+        return out
 
     def _forward(self, batch: Sequence[Any], ids: Any, mask: Any, types: Any,
                  lengths: list[int]) -> list[Any]:

@@ -17,6 +17,11 @@ and items allow: under ``compute_scheduling: partition`` with two busy models a 
 then runs in one process instead of putting two single-thread processes on one core. Each part's results go
 back to its own items; a part whose process died fails only its own items (the process restarts on its
 next call, as a single worker does).
+
+Health: each instance has its own watchdog (:meth:`.worker.WorkerBackend.watch`). While one is being
+replaced the calls are divided between the others (fewer parts); the model is not ready only while no
+instance can compute (the listener hears the lowest instance's reason, then None once one is back).
+Recycling (``recycle_rss_mb``) is per instance, each against the threshold.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-from typing import Any, Sequence
+import threading
+from typing import Any, Callable, Sequence
 
 from ..cpu_features import available_cores
 from ..config import ModelConfig
@@ -107,6 +113,9 @@ class WorkerPool(EncoderBackendDefaults):
         self._threads = concurrent.futures.ThreadPoolExecutor(
             max_workers=len(self.workers), thread_name_prefix=f"relserve-pool-{config.name}")
         self.meta: ModelMeta | None = None
+        self._unhealthy: dict[int, str] = {}  # instance -> why it cannot compute now (watch)
+        self._told: str | None = None
+        self._health_lock = threading.Lock()
 
     # ------------------------------------------------------------- attributes the runner reads
 
@@ -182,10 +191,11 @@ class WorkerPool(EncoderBackendDefaults):
         ``partition``) bounds the parts, and each part's process gets ``share // parts`` threads."""
         items = list(batch)
         share = self._fixed_threads or budget.threads() or available_cores()
-        parts = split_parts([_length(x) for x in items], min(len(self.workers), share))
+        workers = [w for w in self.workers if w.can_compute] or self.workers  # not those being replaced
+        parts = split_parts([_length(x) for x in items], min(len(workers), share))
         threads = max(1, share // max(1, len(parts)))
-        futures = [self._threads.submit(w.run, [items[i] for i in part], CallBudget.fixed(threads))
-                   for w, part in zip(self.workers, parts)]
+        futures = [self._threads.submit(w.run, [items[i] for i in part], CallBudget.fixed(threads, budget.expected_s))
+                   for w, part in zip(workers, parts)]
         out: list[Any] = [None] * len(items)
         for part, future in zip(parts, futures):
             try:
@@ -198,6 +208,27 @@ class WorkerPool(EncoderBackendDefaults):
             for i, r in zip(part, results):
                 out[i] = r
         return out
+
+    def watch(self, listener: Callable[[str | None], None]) -> None:
+        """Supervise every instance (:meth:`.worker.WorkerBackend.watch`); ``listener(reason)`` while none can
+        compute (``instance i: reason`` of the lowest i), ``listener(None)`` once one is back."""
+
+        def instance_health(i: int, reason: str | None) -> None:
+            with self._health_lock:
+                if reason is None:
+                    self._unhealthy.pop(i, None)
+                else:
+                    self._unhealthy[i] = reason
+                first = min(self._unhealthy, default=None)
+                down = len(self._unhealthy) == len(self.workers)
+                told = f"instance {first}: {self._unhealthy[first]}" if down and first is not None else None
+                if told == self._told:
+                    return
+                self._told = told
+            listener(told)
+
+        for i, w in enumerate(self.workers):
+            w.watch(lambda reason, i=i: instance_health(i, reason))
 
     def process_stats(self) -> tuple[float, int] | None:
         """``(cpu seconds, resident bytes)`` summed over the running worker processes (the

@@ -15,27 +15,38 @@ Example::
 
 Replies are the RPC's protobuf reply messages (``ClassifyResponse``, ``AnswerResponse``,
 ``TranslateResponse``, ``TranslateStreamResponse``, ``ListModelsResponse``; fields as documented in
-proto/relserve/v1/inference.proto), not copies: the schema lives in one place. Every failed call raises
-:class:`ClientError` carrying the gRPC status code and the server's message.
+proto/relserve/v1/inference.proto), not copies: the schema lives in one place. Every failure raises
+:class:`ClientError` carrying a gRPC status code and a message: the server's, or, for what is refused before
+anything is sent (an argument of the wrong type or out of its field's range, a closed client), a
+:class:`ClientUsageError` naming the parameter.
+
+The command line over this client (``relserve call ...`` / ``python -m relserve.client ...``) is in
+:mod:`relserve.client.cli`.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 
 from relserve.service._proto import inference_pb2 as pb
 from relserve.service._proto import inference_pb2_grpc as pb_grpc
 from relserve.service.auth import resolve_token  # the server's token rules (grpc and the stdlib only)
 
-__all__ = ["Client", "ClientError", "pb"]
+__all__ = ["Client", "ClientError", "ClientUsageError", "pb"]
 
 Pem = bytes | str | os.PathLike
 # The method relserve's server checks (service/auth.py): gRPC metadata ``authorization: Bearer <token>``.
 _AUTH_KEY = "authorization"
+# grpc turns a timeout into an int64 count of nanoseconds from now: past about 9.2e9 s it wraps and the call
+# fails at once with DEADLINE_EXCEEDED, so a larger (or infinite) timeout is refused up front.
+MAX_TIMEOUT_S = 1e9
 
 
 class ClientError(Exception):
@@ -66,19 +77,131 @@ class ClientError(Exception):
         return cls(code or grpc.StatusCode.UNKNOWN, details or str(err), tuple(trailers or ()))
 
 
+class ClientUsageError(ClientError, ValueError):
+    """Refused by the client before anything was sent: an argument of the wrong type or out of its protobuf
+    field's range (``top_k=-1`` for a uint32), an unreadable certificate or token file, a bad target or
+    timeout (``code`` INVALID_ARGUMENT), or a call on a closed client (FAILED_PRECONDITION).
+
+    ``details`` names the parameter (and the item, for a list); ``str()`` is that message alone. A
+    ``ValueError`` too, as these failures were before they became :class:`ClientError`; ``__cause__`` is
+    the protobuf or grpc exception it replaces, if any.
+    """
+
+    def __init__(self, details: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
+        super().__init__(code, details)
+        self.args = (details,)
+
+    def __str__(self) -> str:
+        return self.details
+
+
+# What a request field accepts, for the messages of refused arguments (protobuf's own name only the value).
+_FIELD_KINDS = {
+    FieldDescriptor.TYPE_UINT32: "an int in 0..4294967295",
+    FieldDescriptor.TYPE_INT32: "an int in -2147483648..2147483647",
+    FieldDescriptor.TYPE_UINT64: "an int in 0..18446744073709551615",
+    FieldDescriptor.TYPE_INT64: "an int in -9223372036854775808..9223372036854775807",
+    FieldDescriptor.TYPE_FLOAT: "a number",
+    FieldDescriptor.TYPE_DOUBLE: "a number",
+    FieldDescriptor.TYPE_BOOL: "a bool",
+    FieldDescriptor.TYPE_STRING: "a str (UTF-8 encodable)",
+}
+
+
+def _show(value: Any) -> str:
+    """A short repr for a message (a long list or text is cut)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _request(cls, **fields: Any):
+    """``cls(**fields)`` with None fields left unset (the server's default).
+
+    Raises:
+        ClientUsageError: a value protobuf refuses (wrong type, a negative or too large int for the field),
+            naming the field and, in a list, the item; protobuf's own TypeError / ValueError names neither.
+    """
+    request = cls()
+    for name, value in fields.items():
+        if value is None:
+            continue
+        try:
+            if cls.DESCRIPTOR.fields_by_name[name].is_repeated:
+                getattr(request, name).extend(value)
+            else:
+                setattr(request, name, value)
+        except (TypeError, ValueError) as exc:
+            raise ClientUsageError(_field_problem(cls, name, value, exc)) from exc
+    return request
+
+
+def _field_problem(cls, name: str, value: Any, exc: Exception) -> str:
+    """Why ``value`` does not fit field ``name`` of ``cls``, naming the first bad item of a list."""
+    field = cls.DESCRIPTOR.fields_by_name[name]
+    want = _FIELD_KINDS.get(field.type, "a value of the field's type")
+    if field.is_repeated:
+        for i, item in enumerate(value):
+            try:
+                getattr(cls(), name).append(item)
+            except (TypeError, ValueError) as item_exc:
+                return f"{name}[{i}] must be {want}, got {_show(item)} ({item_exc})"
+    return f"{name} must be {want}, got {_show(value)} ({exc})"
+
+
+def _seconds(value: Any, name: str) -> float | None:
+    """A timeout in seconds as grpc takes it (None: no deadline; zero or negative: already expired).
+
+    Raises:
+        ClientUsageError: not a number, NaN, or over :data:`MAX_TIMEOUT_S` (infinity included).
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ClientUsageError(f"{name} must be a number of seconds or None, got {_show(value)}")
+    if math.isnan(value) or value > MAX_TIMEOUT_S:
+        raise ClientUsageError(f"{name} must be at most {MAX_TIMEOUT_S:g} seconds (None: no deadline), "
+                               f"got {_show(value)}")
+    return float(value)
+
+
 def _pem(value: Pem | None, name: str) -> bytes | None:
-    """PEM bytes as given, or read from a path."""
-    if value is None or isinstance(value, bytes):
-        return value
+    """PEM bytes as given, or read from a path.
+
+    Raises:
+        ClientUsageError: neither bytes nor a path, a file that cannot be read, or data that is not PEM
+            (grpc would only fail each call UNAVAILABLE, logging TSI errors on stderr).
+    """
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        data = value
+    elif isinstance(value, (str, os.PathLike)):
+        try:
+            data = Path(value).read_bytes()
+        except OSError as exc:
+            raise ClientUsageError(f"{name}: cannot read {str(value)!r}: {exc.strerror or exc}") from None
+    else:
+        raise ClientUsageError(f"{name} must be PEM bytes or a path, got {type(value).__name__}")
+    if b"-----BEGIN " not in data:
+        raise ClientUsageError(f"{name} is not PEM (no '-----BEGIN ' line)"
+                               + (f": {str(value)!r}" if not isinstance(value, bytes) else ""))
+    return data
+
+
+def _texts(value: str | Sequence[str], name: str) -> list[str]:
+    """A list of texts; a lone string is one text (not a sequence of characters).
+
+    Raises:
+        ClientUsageError: bytes, None or something that is not a sequence.
+    """
+    if isinstance(value, str):
+        return [value]
+    if value is None or isinstance(value, (bytes, bytearray)):
+        raise ClientUsageError(f"{name} must be a str or a sequence of str, got {type(value).__name__}")
     try:
-        return Path(value).read_bytes()
-    except OSError as exc:
-        raise ValueError(f"{name}: cannot read {str(value)!r}: {exc.strerror or exc}") from None
-
-
-def _texts(value: str | Sequence[str]) -> list[str]:
-    """A list of texts; a lone string is one text (not a sequence of characters)."""
-    return [value] if isinstance(value, str) else list(value)
+        return list(value)
+    except TypeError:
+        raise ClientUsageError(f"{name} must be a str or a sequence of str, got {type(value).__name__}") from None
 
 
 class Client:
@@ -102,10 +225,15 @@ class Client:
             policy in deploy/client/service_config.json, or ``("grpc.ssl_target_name_override", name)``.
 
     Raises:
-        ValueError: only one of ``client_cert`` / ``client_key``; a PEM file that cannot be read; both ``token``
-            and ``token_file``; a token that is empty or not printable ASCII without spaces (gRPC metadata
-            cannot carry it; the message names the parameter, never the token); a ``token_file`` that cannot
-            be read or does not hold exactly one token.
+        ClientUsageError: (a ``ValueError``) an empty or non-str ``target``; only one of ``client_cert`` /
+            ``client_key``; PEM that cannot be read or is not PEM; both ``token`` and ``token_file``; a token
+            that is empty or not printable ASCII without spaces (gRPC metadata cannot carry it; the message
+            names the parameter, never the token); a ``token_file`` that cannot be read or does not hold
+            exactly one token; a ``timeout`` that is not a number of seconds up to :data:`MAX_TIMEOUT_S`;
+            ``options`` grpc refuses.
+
+    Nothing connects here: a server that is not there fails the first call UNAVAILABLE as soon as the
+    connection is refused (calls do not wait for the channel to become ready), not after the deadline.
 
     Use as a context manager (or call :meth:`close`) so the channel is closed.
     """
@@ -114,20 +242,28 @@ class Client:
                  client_cert: Pem | None = None, client_key: Pem | None = None, token: str | None = None,
                  token_file: str | os.PathLike | None = None, timeout: float | None = None,
                  options: Sequence[tuple[str, Any]] = ()) -> None:
+        if not isinstance(target, str) or not target.strip():
+            raise ClientUsageError(f"target must be a non-empty str such as '127.0.0.1:50051', got {_show(target)}")
         if (client_cert is None) != (client_key is None):
-            raise ValueError("client_cert and client_key go together (mTLS needs both)")
+            raise ClientUsageError("client_cert and client_key go together (mTLS needs both)")
         self.target = target
-        self.timeout = timeout
-        token = resolve_token(token, token_file)
+        self.timeout = _seconds(timeout, "timeout")
+        try:
+            token = resolve_token(token, token_file)
+        except ValueError as exc:  # its messages name the parameter, never the token
+            raise ClientUsageError(str(exc)) from None
         self._metadata = ((_AUTH_KEY, f"Bearer {token}"),) if token is not None else None
+        credentials = None
         if tls or root_certificates is not None or client_cert is not None:
             credentials = grpc.ssl_channel_credentials(
                 root_certificates=_pem(root_certificates, "root_certificates"),
                 private_key=_pem(client_key, "client_key"),
                 certificate_chain=_pem(client_cert, "client_cert"))
-            self.channel = grpc.secure_channel(target, credentials, options=list(options))
-        else:
-            self.channel = grpc.insecure_channel(target, options=list(options))
+        try:
+            self.channel = (grpc.insecure_channel(target, options=list(options)) if credentials is None else
+                            grpc.secure_channel(target, credentials, options=list(options)))
+        except (TypeError, ValueError) as exc:
+            raise ClientUsageError(f"options must be (name, value) pairs of gRPC channel arguments: {exc}") from exc
         self._stub = pb_grpc.InferenceStub(self.channel)
 
     # ------------------------------------------------------------------ plumbing
@@ -142,11 +278,18 @@ class Client:
         """Close the channel; calls in flight are cancelled."""
         self.channel.close()
 
+    def _timeout(self, timeout: float | None) -> float | None:
+        """This call's deadline in seconds: its own, else the client's."""
+        return self.timeout if timeout is None else _seconds(timeout, "timeout")
+
     def _call(self, method, request, timeout: float | None):
+        timeout = self._timeout(timeout)
         try:
-            return method(request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata)
+            return method(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise ClientError.from_rpc_error(err) from err
+        except ValueError as exc:  # grpc's "Cannot invoke RPC on closed channel!"
+            raise ClientUsageError(str(exc), grpc.StatusCode.FAILED_PRECONDITION) from exc
 
     # ------------------------------------------------------------------ RPCs
 
@@ -175,12 +318,11 @@ class Client:
         Raises:
             ClientError: INVALID_ARGUMENT (empty or too many texts, pairs not one per text, top_k over the
                 label count, ...), NOT_FOUND, FAILED_PRECONDITION, DEADLINE_EXCEEDED, ...
+            ClientUsageError: refused before sending (``top_k=-1``, a text that is not a str, ...).
         """
-        request = pb.ClassifyRequest(model=model, texts=_texts(texts), top_k=top_k)
-        if text_pairs is not None:
-            request.text_pairs.extend(_texts(text_pairs))
-        if function_to_apply is not None:
-            request.function_to_apply = function_to_apply
+        request = _request(pb.ClassifyRequest, model=model, texts=_texts(texts, "texts"), top_k=top_k,
+                           text_pairs=None if text_pairs is None else _texts(text_pairs, "text_pairs"),
+                           function_to_apply=function_to_apply)
         return self._call(self._stub.Classify, request, timeout)
 
     def answer(self, model: str, question: str, context: str, *, top_k: int = 0, max_answer_len: int = 0,
@@ -204,14 +346,11 @@ class Client:
         Raises:
             ClientError: INVALID_ARGUMENT (empty question or context, doc_stride over the limit, too many
                 windows or characters; the message names it), NOT_FOUND, FAILED_PRECONDITION, ...
+            ClientUsageError: refused before sending (a negative ``top_k``, a question that is not a str, ...).
         """
-        request = pb.AnswerRequest(model=model, question=question, context=context, top_k=top_k,
-                                   max_answer_len=max_answer_len, doc_stride=doc_stride,
-                                   allow_impossible=allow_impossible)
-        if null_threshold is not None:
-            request.null_threshold = null_threshold
-        if align_to_words is not None:
-            request.align_to_words = align_to_words
+        request = _request(pb.AnswerRequest, model=model, question=question, context=context, top_k=top_k,
+                           max_answer_len=max_answer_len, doc_stride=doc_stride, allow_impossible=allow_impossible,
+                           null_threshold=null_threshold, align_to_words=align_to_words)
         return self._call(self._stub.Answer, request, timeout)
 
     def translate(self, model: str, texts: str | Sequence[str], *, beam_size: int = 0, n_best: int = 0,
@@ -231,9 +370,10 @@ class Client:
         Raises:
             ClientError: INVALID_ARGUMENT (out-of-range options, a source over max_source_tokens, ...),
                 NOT_FOUND, FAILED_PRECONDITION, DEADLINE_EXCEEDED, ...
+            ClientUsageError: refused before sending (a negative ``beam_size``, a text that is not a str, ...).
         """
-        request = pb.TranslateRequest(model=model, texts=_texts(texts), beam_size=beam_size,
-                                      n_best=n_best, max_length=max_length, return_alignment=return_alignment)
+        request = _request(pb.TranslateRequest, model=model, texts=_texts(texts, "texts"), beam_size=beam_size,
+                           n_best=n_best, max_length=max_length, return_alignment=return_alignment)
         return self._call(self._stub.Translate, request, timeout)
 
     def translate_stream(self, model: str, text: str, *, beam_size: int = 0, n_best: int = 0,
@@ -246,16 +386,20 @@ class Client:
         an exception, or dropping the iterator) cancels the call, so the server stops decoding.
 
         Raises:
+            ClientUsageError: here, not while iterating: an argument refused before sending (as
+                :meth:`translate`).
             ClientError: while iterating, as :meth:`translate`.
         """
-        request = pb.TranslateStreamRequest(model=model, text=text, beam_size=beam_size, n_best=n_best,
-                                            max_length=max_length, return_alignment=return_alignment)
-        return self._stream(request, timeout)
+        request = _request(pb.TranslateStreamRequest, model=model, text=text, beam_size=beam_size, n_best=n_best,
+                           max_length=max_length, return_alignment=return_alignment)
+        return self._stream(request, self._timeout(timeout))
 
     def _stream(self, request, timeout: float | None) -> Iterator[pb.TranslateStreamResponse]:
         # A generator, so that the call starts only when iterated and errors surface as ClientError there.
-        call = self._stub.TranslateStream(request, timeout=self.timeout if timeout is None else timeout,
-                                          metadata=self._metadata)
+        try:
+            call = self._stub.TranslateStream(request, timeout=timeout, metadata=self._metadata)
+        except ValueError as exc:  # grpc's "Cannot invoke RPC on closed channel!"
+            raise ClientUsageError(str(exc), grpc.StatusCode.FAILED_PRECONDITION) from exc
         try:
             yield from call
         except grpc.RpcError as err:
@@ -269,10 +413,16 @@ class Client:
         Needs the ``grpcio-health-checking`` package (imported here only, so importing this module does not).
 
         Raises:
-            ClientError: the call failed (NOT_FOUND for an unknown service name).
+            ClientError: the call failed (NOT_FOUND for an unknown service name); FAILED_PRECONDITION when
+                grpcio-health-checking is not installed.
+            ClientUsageError: ``service`` is not a str.
         """
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        try:
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+        except ImportError as exc:
+            raise ClientError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"health() needs the grpcio-health-checking package ({exc})") from exc
 
         reply = self._call(health_pb2_grpc.HealthStub(self.channel).Check,
-                           health_pb2.HealthCheckRequest(service=service), timeout)
+                           _request(health_pb2.HealthCheckRequest, service=service), timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

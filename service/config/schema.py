@@ -52,6 +52,8 @@ ONNX_GRAPH_OPTIMIZATIONS = ("disable", "basic", "extended", "all")
 # an spm.model-only tokenizer's normalisation (models.tokenization.SPM_NORMALIZATIONS; config must not import it)
 SPM_NORMALIZATIONS = ("spm", "transformers5")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
+# a classification model's predictions on KServe's v1 predict (frontends/kserve_v1.py): huggingfaceserver's shapes
+KSERVE_V1_PREDICTIONS = ("label_id", "probabilities", "raw_logits")
 # dtype: auto's agreement gate needs at least this many usable items of text
 DTYPE_GATE_MIN_ITEMS = 200
 DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -236,6 +238,11 @@ class ModelConfig:
         True,
         "QA answers widened to whole words, as transformers' QA pipeline (a request's align_to_words overrides); "
         "false: token-exact spans (better for scripts without spaces: Chinese, Japanese)")
+    kserve_v1_predictions: str = key(
+        "label_id",
+        "a classification model's predictions on KServe v1's :predict, as KServe's huggingfaceserver: label_id (the "
+        "best label's index), probabilities (its --return_probabilities: softmax by label index, 4 decimals), "
+        "raw_logits (its --return_raw_logits)", choices=KSERVE_V1_PREDICTIONS)
     # per-request limits, checked before any tokenizing (service/tasks/*.validate_*; QA windows by the tokenizer)
     max_request_texts: int = key(256, "texts per Classify / Translate request (more: INVALID_ARGUMENT)",
                                  bounds=Bounds(1))
@@ -300,11 +307,29 @@ class ModelConfig:
         True,
         "torch backend, DeBERTa: batches with padding run the dense layers on the real tokens only (attention "
         "core padded; models/deberta.py); false: padded")
+    heap_trim_mb: int = key(
+        64,
+        "torch backend: after a batch that leaves its process this many MiB above its resident size after the last "
+        "trim, freed heap goes back to the OS (malloc_trim; each new input shape otherwise leaves hundreds of MB "
+        "held); on CPU also caps torch's per-shape kernel caches (LRU_CACHE_CAPACITY=1, "
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 where the environment does not set them); 0: neither",
+        bounds=Bounds(0, lo_note=" (never)"))
     worker_process: bool | None = key(
         None,
         "compute in a child process of the server (own GIL: the event loop's refusals no longer slow the "
         "batches; service/backends/worker.py), restarted if it dies; null: true for encoder models, false "
         "(in-process, the only choice) for translation")
+    worker_batch_timeout: float = key(
+        0.0,
+        "worker_process: seconds one batch may take in the worker process before it is declared hung, killed and "
+        "replaced (the model NOT_SERVING and its queued calls UNAVAILABLE until the new worker has warmed); 0: 10x "
+        "the cost model's prediction for that batch, at least 30 s (300 s before any prediction)",
+        bounds=Bounds(0, MAX_DRAIN_SECONDS, unit=" seconds", lo_note=" (10x the prediction, at least 30 s)"))
+    recycle_rss_mb: int = key(
+        0,
+        "worker_process: a worker process whose resident memory is above this many MiB after a batch is replaced "
+        "between batches (calls queue meanwhile, none fails; the model stays ready); 0: never",
+        bounds=Bounds(0, lo_note=" (never)"))
     spm_normalization: str = key(
         "spm",
         "spm.model-only tokenizers (no tokenizer.json): spm applies the model's own normaliser (nmt_nfkc), as "
@@ -493,6 +518,19 @@ class ServerConfig:
         True, "clients may ping connections with no call open",
         flag=Flag(("--keepalive-permit-without-calls",), "clients may ping connections without open calls "
                                                          "(default: yes)", action="boolean", group="connection"))
+    # Per-call limits of the gRPC port (service/frontends/grpc_transport.py CallGuard, write_message)
+    max_concurrent_rpcs: int | None = key(
+        256, "gRPC calls served at once (health probes not counted); more are RESOURCE_EXHAUSTED at once, unread; "
+        "null: no cap", bounds=Bounds(1, note=" (or null: no cap)"))
+    max_concurrent_streams: int = key(
+        100, "gRPC calls at once per connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); a client queues the rest",
+        bounds=Bounds(1, MAX_MESSAGE_BYTES))
+    request_read_timeout: float = key(
+        60.0, "seconds a gRPC call has to send its request message after it starts; later: DEADLINE_EXCEEDED; 0: "
+        "no limit", bounds=_SECONDS)
+    stream_write_timeout: float = key(
+        60.0, "seconds a stream message (TranslateStream) may wait for the client to read it; longer: the stream "
+        "ends DEADLINE_EXCEEDED and its work is dropped; 0: no limit", bounds=_SECONDS)
     # Transport security and auth (service/auth.py): all off by default. Paths in a config file are relative
     # to that file.
     tls_cert: Path | None = _security(None, "PEM certificate chain; with tls_key: TLS on the gRPC port", "--tls-cert",
@@ -532,6 +570,21 @@ class ServerConfig:
         bounds=Bounds(0, MAX_PORT, note=" (leave it out for no HTTP/JSON API)"))
     http_host: str | None = _security(None, "the HTTP listener's address (null: host)", "--http-host",
                                       "address of --http-port (default: --host)", "HOST")
+    # The HTTP listener's connection hygiene (service/frontends/http_guard.py): nginx's defaults
+    http_header_timeout: float = key(
+        60.0, "seconds an HTTP client has to send a request's head (from the connection's start, then from the "
+        "first byte of each later request); slower: the connection is closed",
+        bounds=Bounds(0, MAX_CONNECTION_SECONDS, lo_open=True, unit=" seconds"))
+    http_body_timeout: float = key(
+        60.0, "seconds an HTTP request body may pause between two reads; longer: 408 and the connection is closed",
+        bounds=Bounds(0, MAX_CONNECTION_SECONDS, lo_open=True, unit=" seconds"))
+    http_keepalive_timeout: float = key(
+        75.0, "seconds an idle HTTP connection stays open after a reply",
+        bounds=Bounds(0, MAX_CONNECTION_SECONDS, lo_open=True, unit=" seconds"))
+    http_max_connections: int | None = key(
+        None, "open HTTP connections at most; more are closed at once; null: half the open-files limit (which the "
+        "server raises to the hard limit at start), at most 10000",
+        bounds=Bounds(1, note=" (or null: derived from the open-files limit)"))
     models: tuple[ModelConfig, ...] = field(default_factory=tuple)
 
     def model(self, name: str) -> ModelConfig:

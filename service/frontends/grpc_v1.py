@@ -6,10 +6,13 @@ other status. Each request is validated once, before any tokenizing, by its task
 :mod:`relserve.service.tasks`); errors are mapped in one place, :func:`.grpc_transport.rpc`, with a full
 queue's retry hint as the ``grpc-retry-pushback-ms`` trailer (gRFC A6). Request metrics (count by code,
 duration, in-flight; the time to a RESOURCE_EXHAUSTED refusal) are recorded there too. Stream messages go
-out through :func:`.grpc_transport.write_message`. No torch here.
+out through :func:`.grpc_transport.write_message` (a reader that stops consuming ends its stream after
+``stream_write_timeout``). No torch here.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import grpc
 
@@ -24,17 +27,26 @@ SERVICE_NAME = "relserve.v1.Inference"
 
 
 def add_to_server(servicer: "InferenceServicer", server: grpc.aio.Server) -> None:
-    """Register ``servicer``'s RPCs of ``relserve.v1.Inference`` on ``server``, decoded tolerantly."""
-    register(servicer, server, inference_pb2, "Inference")
+    """Register ``servicer``'s RPCs of ``relserve.v1.Inference`` on ``server``, decoded tolerantly; texts and
+    pairs counted on the wire first, against the most texts any served model takes (``max_request_texts``)."""
+    limits = [r.config.max_request_texts for r in servicer.registry.runners.values()
+              if getattr(getattr(r, "config", None), "max_request_texts", None) is not None]
+    cap = max(limits) if limits else None
+    caps = {"ClassifyRequest": {"texts": cap, "text_pairs": cap}, "TranslateRequest": {"texts": cap}} if cap else None
+    register(servicer, server, inference_pb2, "Inference", caps)
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     """The relserve.v1 RPCs over ``registry``; replies (and stream messages) of at most
     ``max_send_message_length`` bytes."""
 
-    def __init__(self, registry: ModelRegistry, max_send_message_length: int = 4 * 1024 * 1024) -> None:
+    protocol = "grpc_v1"  # the metrics label (service/metrics.py PROTOCOLS), read by the rpc wrapper
+
+    def __init__(self, registry: ModelRegistry, max_send_message_length: int = 4 * 1024 * 1024,
+                 stream_write_timeout: float | None = None) -> None:
         self.registry = registry
         self.max_send_message_length = max_send_message_length
+        self.stream_write_timeout = stream_write_timeout  # seconds a stream message may wait for its reader
 
     def _enter(self, scope: Scope, name: str, task: str):
         if name in self.registry.runners:
@@ -69,8 +81,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     @rpc(TASK_TRANSLATION)
     async def TranslateStream(self, request, context, scope):
-        """The best live hypothesis after each decoder step, then the final result."""
+        """The best live hypothesis after each decoder step, then the final result; a client that reads none of
+        them for ``stream_write_timeout`` seconds gets the stream ended (its sequence leaves the decode loop)."""
         runner = self._enter(scope, request.model, TASK_TRANSLATION)
         options = v1_codec.decode_options(runner, request, [request.text])
-        async for event in translate_task.translate_stream(runner, request.text, options, deadline(context)):
-            await write_message(context, v1_codec.stream_message(event), self.max_send_message_length)
+        # closed here, not when collected: a stalled or failed write frees the sequence at once
+        async with contextlib.aclosing(translate_task.translate_stream(runner, request.text, options,
+                                                                       deadline(context))) as events:
+            async for event in events:
+                await write_message(context, v1_codec.stream_message(event), self.max_send_message_length,
+                                    self.stream_write_timeout)

@@ -1,31 +1,59 @@
 """KServe v2 REST JSON <-> Open Inference Protocol tensors (:mod:`.oip_codec`), and the JSON object of any
 request body. The HTTP routes (``http``) use it; every check names the field and where it is. No torch.
 
-An inference request is ``{"id"?, "parameters"?, "inputs": [{"name", "shape", "datatype", "data",
-"parameters"?}], "outputs"?: [{"name", "parameters"?}]}``; ``data`` flat or nested exactly as ``shape``,
-row-major, BYTES as JSON strings; tensor-level parameters follow
-:func:`.oip_codec.check_tensor_parameters` (as the gRPC frontend's). Every string a reply or status
+An inference request is ``{"id"?, "model_name"?, "model_version"?, "parameters"?, "inputs": [{"name",
+"shape", "datatype", "data", "parameters"?}], "outputs"?: [{"name", "parameters"?}]}``; ``data`` flat or
+nested exactly as ``shape``, row-major, BYTES as JSON strings; tensor-level parameters follow
+:func:`.oip_codec.check_tensor_parameters` (as the gRPC frontend's). ``model_name`` / ``model_version``
+(clients such as KServe's put them in every body) must agree with the URL's. Every string a reply or status
 message may echo (``id``, tensor names, datatypes) must be valid UTF-8: a JSON ``"\\ud800"`` (a lone
 surrogate) there is INVALID_ARGUMENT before inference.
+
+Binary tensor data (Triton's extension, :func:`split_body`): with the ``Inference-Header-Content-Length``
+header the body is the JSON object of that many bytes, then each binary input's ``binary_data_size`` bytes
+in the order of ``inputs``, exactly to the body's end; replies put the binary outputs (an output's
+``binary_data`` true, or the request's ``binary_data_output``) after the JSON in the same way
+(:func:`encode_reply`).
 """
 
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidArgument, shown
 from . import oip_codec as oip
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """A JSON object's members as a dict (``json.loads``'s ``object_pairs_hook``), refusing a key given twice:
+    json.loads would keep the last one silently, and which one a client meant is unknowable.
+
+    Raises:
+        InvalidArgument: naming the repeated key.
+    """
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise InvalidArgument(f"duplicate key {shown(key)} in a JSON object of the request body; each key "
+                                      f"may appear once")
+            seen.add(key)
+    return obj
+
+
 def loads(raw: bytes) -> dict:
     """The JSON object in a request body.
 
     Raises:
-        InvalidArgument: not UTF-8 JSON, or not an object (the message says which).
+        InvalidArgument: not UTF-8 JSON, not an object, or an object with a key given twice (the message says
+            which).
     """
     try:
-        body = json.loads(raw.decode("utf-8"))
+        body = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
     except UnicodeDecodeError as exc:
         raise InvalidArgument(f"the request body is not UTF-8 ({exc.reason} at byte {exc.start})") from None
     except ValueError as exc:
@@ -37,7 +65,8 @@ def loads(raw: bytes) -> dict:
     return body
 
 
-_REQUEST_FIELDS = ("id", "parameters", "inputs", "outputs")
+INFERENCE_HEADER = "Inference-Header-Content-Length"  # bytes of JSON before the binary tensor data
+_REQUEST_FIELDS = ("id", "model_name", "model_version", "parameters", "inputs", "outputs")
 _INPUT_FIELDS = ("name", "shape", "datatype", "parameters", "data")
 _OUTPUT_FIELDS = ("name", "parameters")
 
@@ -98,24 +127,100 @@ def _flatten(data: Any, shape: list[int], where: str) -> list:
     return out
 
 
-def parse_infer(body: dict) -> tuple[list[oip.Tensor], dict, list[str]]:
-    """The v2 REST inference request's inputs, parameters and requested output names; tensor-level
-    parameters follow :func:`.oip_codec.check_tensor_parameters` (as the gRPC frontend's).
+@dataclass
+class InferRequest:
+    """A parsed v2 REST inference request: its input tensors, request parameters (without
+    ``binary_data_output``), requested output names, and which outputs go back as binary data."""
+
+    inputs: list[oip.Tensor]
+    parameters: dict
+    outputs: list[str]
+    binary_default: bool = False  # the request's binary_data_output
+    binary: dict[str, bool] = field(default_factory=dict)  # output name -> its binary_data, where sent
+
+    def binary_output(self, name: str) -> bool:
+        """Whether output ``name`` is answered as binary data (its ``binary_data``, else the default)."""
+        return self.binary.get(name, self.binary_default)
+
+
+def split_body(raw: bytes, header: str | None) -> tuple[bytes, memoryview | None]:
+    """The JSON part of a request body and its binary tensor data: ``header`` is the request's
+    ``Inference-Header-Content-Length`` (None: the whole body is JSON, no binary data).
 
     Raises:
-        InvalidArgument: an unknown, missing or mis-typed field (naming it and where it is).
+        InvalidArgument: the header is not a non-negative decimal integer, or is 0 (a raw binary request
+            without a JSON header, which no model here qualifies for: each takes named BYTES tensors), or
+            is more than the body's length.
+    """
+    if header is None:
+        return raw, None
+    if not re.fullmatch(r"[0-9]{1,19}", header.strip()):
+        raise InvalidArgument(f"header {INFERENCE_HEADER} must be the byte length of the JSON inference header "
+                              f"at the start of the body (a non-negative integer), got {shown(header[:40])}")
+    length = int(header)
+    if length == 0:
+        raise InvalidArgument(f"header {INFERENCE_HEADER} is 0 (a raw binary request without a JSON inference "
+                              f"header), which is not supported; send the JSON inference header with each "
+                              f"input's binary_data_size before the binary data")
+    if length > len(raw):
+        raise InvalidArgument(f"header {INFERENCE_HEADER} is {length} but the request body has only {len(raw)} "
+                              f"bytes")
+    view = memoryview(raw)
+    return bytes(view[:length]), view[length:]
+
+
+def _model_fields(body: dict, model: str, version: str) -> None:
+    """``model_name`` / ``model_version`` in the body must agree with the URL's ``model`` / ``version``
+    (a URL without a version names the model's one version, :data:`.oip_codec.MODEL_VERSION`, and so does an
+    empty ``model_version``).
+
+    Raises:
+        InvalidArgument: not a string, or another value than the URL's (names both).
+    """
+    url_version = version or oip.MODEL_VERSION
+    for key, url_value in (("model_name", model), ("model_version", url_version)):
+        value = body.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise InvalidArgument(f"{key!r} must be a string, got {oip.describe(value)}")
+        check_text(value, f"{key!r}")
+        if value != url_value and not (key == "model_version" and value == "" and not version):
+            raise InvalidArgument(f"the body's {key} {shown(value)} differs from the URL's {shown(url_value)}; "
+                                  f"leave it out or send the same value")
+
+
+def parse_infer(body: dict, binary: memoryview | None = None, *, model: str = "", version: str = "",
+                limit: int | None = None) -> InferRequest:
+    """The v2 REST inference request's inputs, parameters and requested outputs; tensor-level parameters
+    follow :func:`.oip_codec.check_tensor_parameters` (as the gRPC frontend's).
+
+    Args:
+        body: the JSON object.
+        binary: the bytes after the JSON (:func:`split_body`), or None without the binary header.
+        model, version: the URL's model and version (``body``'s ``model_name`` / ``model_version`` must agree).
+        limit: the most elements one input may hold (:func:`.oip_codec.max_elements`), checked before the
+            elements are copied.
+
+    Raises:
+        InvalidArgument: an unknown, missing or mis-typed field (naming it and where it is), binary data
+            whose declared sizes do not add up to the bytes after the JSON (naming the input and the sizes),
+            or too many elements.
     """
     _object(body, "the inference request", _REQUEST_FIELDS)
     if body.get("id") is not None and not isinstance(body["id"], str):
         raise InvalidArgument(f"'id' must be a string, got {oip.describe(body['id'])}")
     if body.get("id") is not None:
         check_text(body["id"], "'id'")
-    parameters = _parameters_of(body, "the inference request")
+    _model_fields(body, model, version)
+    parameters = dict(_parameters_of(body, "the inference request"))
+    binary_default = oip.binary_output_default(parameters)
     raw_inputs = body.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidArgument(f"'inputs' must be a non-empty JSON array of tensors {{name, shape, datatype, data}}, "
                               f"got {'an empty list' if raw_inputs == [] else oip.describe(raw_inputs)}")
     inputs = []
+    offset = 0  # into binary
     for i, t in enumerate(raw_inputs):
         where = f"inputs[{i}]"
         _object(t, where, _INPUT_FIELDS)
@@ -127,33 +232,57 @@ def parse_infer(body: dict) -> tuple[list[oip.Tensor], dict, list[str]]:
             if kind is str:
                 check_text(t[key], f"{where}: {key!r}")
         where = f"inputs[{i}] ({shown(t['name'])})"
-        if "data" not in t:
+        declared = t.get("parameters")
+        # binary data instead of 'data' (without the header, the parameter check below says what is missing)
+        if "data" not in t and not (isinstance(declared, dict) and oip.BINARY_DATA_SIZE in declared):
             raise InvalidArgument(f"{where}: 'data' is missing")
         shape = t["shape"]
         if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             raise InvalidArgument(f"{where}: 'shape' must be a list of non-negative integers, got {shown(str(shape))}")
-        oip.check_tensor_parameters("input", t["name"], _parameters_of(t, where))
-        try:
-            data = _flatten(t["data"], shape, where)
-        except RecursionError:
-            raise InvalidArgument(f"{where}: 'data' is nested too deeply for 'shape' {shape}") from None
+        tensor_parameters = dict(_parameters_of(t, where))
+        size = oip.binary_data_size(t["name"], tensor_parameters) if binary is not None else None
+        oip.check_tensor_parameters("input", t["name"], tensor_parameters)
+        if size is not None:
+            if "data" in t:
+                raise InvalidArgument(f"{where} has both 'data' and binary data (binary_data_size {size}); send one")
+            if size > len(binary) - offset:
+                raise InvalidArgument(f"{where}: binary_data_size {size} runs past the end of the body: "
+                                      f"{len(binary) - offset} bytes of binary data are left at byte {offset} "
+                                      f"after the JSON header")
+            chunk = binary[offset:offset + size]
+            offset += size
+            # other datatypes stay undecoded: oip_codec refuses them, naming the input
+            data = oip.split_bytes(t["name"], chunk, model, limit) if t["datatype"] == oip.BYTES else []
+        else:
+            if isinstance(t["data"], list):
+                oip.check_element_count(model, len(t["data"]), limit)
+            try:
+                data = _flatten(t["data"], shape, where)
+            except RecursionError:
+                raise InvalidArgument(f"{where}: 'data' is nested too deeply for 'shape' {shape}") from None
         inputs.append(oip.Tensor(t["name"], t["datatype"], tuple(shape), data))
+    if binary is not None and offset != len(binary):
+        raise InvalidArgument(f"the body has {len(binary) - offset} bytes after the binary data of the inputs "
+                              f"(their binary_data_size add up to {offset} of the {len(binary)} bytes after the "
+                              f"JSON header); send exactly the declared bytes")
     raw_outputs = body.get("outputs")
     if raw_outputs is None:
         raw_outputs = []
     if not isinstance(raw_outputs, list):
         raise InvalidArgument(f"'outputs' must be a JSON array of {{name, parameters}}, got "
                               f"{oip.describe(raw_outputs)}")
-    names = []
+    names, binary_of = [], {}
     for i, o in enumerate(raw_outputs):
         where = f"outputs[{i}]"
         _object(o, where, _OUTPUT_FIELDS)
         if not isinstance(o.get("name"), str):
             raise InvalidArgument(f"{where}: 'name' must be a string, got {oip.describe(o.get('name'))}")
         check_text(o["name"], f"{where}: 'name'")
-        oip.check_tensor_parameters("output", o["name"], _parameters_of(o, f"{where} ({shown(o['name'])})"))
+        wanted = oip.check_tensor_parameters("output", o["name"], _parameters_of(o, f"{where} ({shown(o['name'])})"))
+        if wanted is not None:
+            binary_of[o["name"]] = wanted
         names.append(o["name"])
-    return inputs, parameters, names
+    return InferRequest(inputs, parameters, names, binary_default, binary_of)
 
 
 def check_text(value: str, where: str) -> None:
@@ -174,3 +303,29 @@ def tensor_json(t: oip.Tensor) -> dict:
     """An output tensor as the v2 REST reply's JSON object (BYTES elements as strings)."""
     data = [v.decode("utf-8", "replace") if isinstance(v, (bytes, bytearray)) else v for v in t.data]
     return {"name": t.name, "datatype": t.datatype, "shape": list(t.shape), "data": data}
+
+
+def encode_reply(reply: dict, outputs: list[oip.Tensor], request: InferRequest) -> tuple[bytes, int | None]:
+    """The v2 REST reply body: ``reply`` (the fields beside ``outputs``) with ``outputs`` as JSON tensors,
+    or, for those ``request`` wants binary, as ``parameters: {binary_data_size}`` with their bytes after the
+    JSON in output order.
+
+    Returns:
+        ``(body, json_length)``: json_length is the ``Inference-Header-Content-Length`` of a reply with
+        binary data, None for a JSON-only reply.
+    """
+    chunks, tensors = [], []
+    for t in outputs:
+        if request.binary_output(t.name):
+            data = oip.to_bytes(t)
+            chunks.append(data)
+            tensors.append({"name": t.name, "datatype": t.datatype, "shape": list(t.shape),
+                            "parameters": {oip.BINARY_DATA_SIZE: len(data)}})
+        else:
+            tensors.append(tensor_json(t))
+    reply = {**reply, "outputs": tensors}  # in the place the caller gave "outputs" (the reply's field order)
+    # "replace": see http_transport.json_response (a lone surrogate never gets past the request parser)
+    head = json.dumps(reply, ensure_ascii=False).encode("utf-8", "replace")
+    if not chunks:
+        return head, None
+    return b"".join([head, *chunks]), len(head)

@@ -8,18 +8,21 @@ model's task once it is known, ``_unknown_`` before), the same tolerant request 
 :mod:`.oip_codec`; this module converts between the wire messages and its :class:`~.oip_codec.Tensor`.
 
 Wire forms (both as in the protocol): input elements as typed ``contents`` or as ``raw_input_contents``
-(one entry per input; BYTES elements each prefixed by a 4-byte little-endian length, which tritonclient
-sends). A request that used raw inputs is answered in ``raw_output_contents``, else in typed contents.
-Tensor-level parameters follow :func:`.oip_codec.check_tensor_parameters` (as the HTTP routes):
-inputs take none, outputs only ``binary_data`` false; Triton's shared-memory keys and ``classification`` are
-INVALID_ARGUMENT. ServerLive, ServerReady and ModelReady are open without a token unless ``auth_health``,
-like grpc.health.v1 (kubelet probes cannot send metadata); metadata and inference need the token.
+(one entry per input, in binary form: :func:`.oip_codec.split_bytes`; tritonclient and KServe's client send
+numpy data so). An input of a raw request may carry ``binary_data_size``, which must equal its entry's length
+(KServe's client sets it). A request that used raw inputs, set the request parameter ``binary_data_output``
+true or asked ``binary_data`` true for an output is answered in ``raw_output_contents`` (all outputs: the
+protocol has one form per reply), else in typed contents. Other tensor-level parameters follow
+:func:`.oip_codec.check_tensor_parameters` (as the HTTP routes): Triton's shared-memory keys and
+``classification`` are INVALID_ARGUMENT. Input and element counts are checked on the message before any
+list is built (``max_request_texts``). ServerLive, ServerReady and ModelReady are open without a token unless
+``auth_health``, like grpc.health.v1 (kubelet probes cannot send metadata); metadata and inference need the
+token.
 No torch here.
 """
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 import grpc
@@ -44,7 +47,6 @@ _CONTENTS_FIELD = {
     "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
     "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
 }
-_RAW_FORMAT = {"FP32": "f", "INT64": "q", "BOOL": "?"}  # the output datatypes relserve produces
 
 
 def add_to_server(servicer: "GRPCInferenceServicer", server: grpc.aio.Server) -> None:
@@ -61,6 +63,8 @@ def refused_task(name: str) -> str:
 
 class GRPCInferenceServicer:
     """The six RPCs of the Open Inference Protocol over ``registry`` (see the module docstring)."""
+
+    protocol = "kserve_v2_grpc"  # the metrics label (service/metrics.py PROTOCOLS), read by the rpc wrapper
 
     def __init__(self, registry: ModelRegistry, max_send_message_length: int = 4 * 1024 * 1024) -> None:
         self.registry = registry
@@ -106,20 +110,22 @@ class GRPCInferenceServicer:
         runner = oip.lookup(self.registry, request.model_name, request.model_version)
         scope.task = runner.task or scope.task
         scope.count_inflight()
-        raw = len(request.raw_input_contents) > 0
-        inputs = _inputs(request)
+        oip.check_input_count(runner.task or "", len(request.inputs))
+        inputs = _inputs(request, runner.name, oip.max_elements(runner))
         parameters = _parameters(request.parameters, "request parameter")
+        raw = oip.binary_output_default(parameters) or len(request.raw_input_contents) > 0
         requested = []
         for out in request.outputs:
             where = f"output {shown(out.name)} parameter"
-            oip.check_tensor_parameters("output", out.name, _parameters(out.parameters, where))
+            if oip.check_tensor_parameters("output", out.name, _parameters(out.parameters, where)):
+                raw = True
             requested.append(out.name)
         outputs = await oip.infer_on(runner, inputs, parameters, requested, deadline(context))
         reply = pb.ModelInferResponse(model_name=runner.name, model_version=oip.MODEL_VERSION, id=request.id)
         for t in outputs:
             o = reply.outputs.add(name=t.name, datatype=t.datatype, shape=list(t.shape))
             if raw:
-                reply.raw_output_contents.append(_raw(t))
+                reply.raw_output_contents.append(oip.to_bytes(t))
             else:
                 getattr(o.contents, _CONTENTS_FIELD[t.datatype]).extend(t.data)
         return reply
@@ -137,49 +143,39 @@ def _parameters(params: Any, what: str) -> dict[str, Any]:
     return out
 
 
-def _inputs(request: Any) -> list[oip.Tensor]:
+def _inputs(request: Any, model: str, limit: int | None) -> list[oip.Tensor]:
+    """The request's input tensors; each input's element count is checked against ``limit`` on the message,
+    before its elements are copied.
+
+    Raises:
+        InvalidArgument: raw and typed contents mixed, a raw entry per input missing or extra, a
+            ``binary_data_size`` other than its raw entry's length, a bad tensor parameter, malformed raw
+            contents, or too many elements.
+    """
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise InvalidArgument(f"raw_input_contents has {len(raw)} entries but the request has "
                               f"{len(request.inputs)} inputs; send one per input, in the order of inputs")
     tensors = []
     for i, t in enumerate(request.inputs):
-        oip.check_tensor_parameters("input", t.name, _parameters(t.parameters, f"input {shown(t.name)} parameter"))
+        params = _parameters(t.parameters, f"input {shown(t.name)} parameter")
+        if raw:
+            size = oip.binary_data_size(t.name, params)
+            if size is not None and size != len(raw[i]):
+                raise InvalidArgument(f"input {shown(t.name)} has binary_data_size {size} but its raw_input_contents "
+                                      f"entry has {len(raw[i])} bytes")
+        oip.check_tensor_parameters("input", t.name, params)
         if raw:
             if t.HasField("contents"):
                 raise InvalidArgument(f"input {shown(t.name)} has typed contents and the request has "
                                       f"raw_input_contents; use one form for all inputs")
-            data = _split_bytes(t.name, raw[i]) if t.datatype == oip.BYTES else []
+            data = (oip.split_bytes(t.name, raw[i], model, limit, "raw contents") if t.datatype == oip.BYTES
+                    else [])
         else:
             field = _CONTENTS_FIELD.get(t.datatype)
+            if field:
+                oip.check_element_count(model, len(getattr(t.contents, field)), limit)
             data = list(getattr(t.contents, field)) if field else []
         # non-BYTES data is not decoded: oip refuses the datatype, naming the input
         tensors.append(oip.Tensor(t.name, t.datatype, tuple(t.shape), data))
     return tensors
-
-
-def _split_bytes(name: str, buf: bytes) -> list[bytes]:
-    """Raw BYTES contents: elements each preceded by a 4-byte little-endian length.
-
-    Raises:
-        InvalidArgument: a length prefix or element runs past the end of the buffer (names the input).
-    """
-    out, pos, view = [], 0, memoryview(buf)
-    while pos < len(buf):
-        if pos + 4 > len(buf):
-            raise InvalidArgument(f"raw contents of input {shown(name)} end inside a length prefix at byte {pos}; "
-                                  f"BYTES elements are a 4-byte little-endian length then the bytes")
-        (n,) = struct.unpack_from("<I", buf, pos)
-        pos += 4
-        if pos + n > len(buf):
-            raise InvalidArgument(f"raw contents of input {shown(name)}: element {len(out)} has length {n} but "
-                                  f"only {len(buf) - pos} bytes follow")
-        out.append(bytes(view[pos:pos + n]))
-        pos += n
-    return out
-
-
-def _raw(t: oip.Tensor) -> bytes:
-    if t.datatype == oip.BYTES:
-        return b"".join(struct.pack("<I", len(b)) + b for b in t.data)
-    return struct.pack(f"<{len(t.data)}{_RAW_FORMAT[t.datatype]}", *t.data)

@@ -35,11 +35,19 @@ classification ``top_k``, ``function_to_apply`` (string: the scores of ``probabi
 the known ones. A QA request of N questions runs N relserve.v1 Answer calls concurrently, after the request-wide
 ``max_request_texts`` / ``max_request_chars`` check.
 
-Tensor-level parameters (:func:`check_tensor_parameters`, the same rule on both transports): inputs take
-none (binary data, shared memory: INVALID_ARGUMENT naming the parameter); outputs take only ``binary_data``
-false (the elements in the reply itself, the default), no ``classification`` / ``class_count`` (the
-classification extension: use ``label`` with ``top_k``) or shared memory. FP32 outputs are float32 values
-(:func:`output`), so every transport prints the same numbers.
+Binary tensor data (Triton's ``binary_tensor_data`` extension, listed in the server metadata): elements
+little-endian, row-major, without padding; a BYTES element is a 4-byte little-endian unsigned length then
+its bytes, FP32 / INT64 4 / 8 bytes, BOOL one byte 0 or 1 (:func:`split_bytes`, :func:`to_bytes`). Where it
+travels is the transport's: HTTP after the JSON header (``Inference-Header-Content-Length``), gRPC in
+``raw_input_contents`` / ``raw_output_contents``. Tensor-level parameters (:func:`check_tensor_parameters`,
+the same rule on both transports, after the transport took the binary ones it carries): an input's
+``binary_data_size`` only with binary data; an output's ``binary_data`` a boolean (true: this output as
+binary data); no shared memory and no ``classification`` / ``class_count`` (the classification extension:
+use ``label`` with ``top_k``), each INVALID_ARGUMENT naming the parameter. The request parameter
+``binary_data_output`` (a boolean: every output binary unless it says otherwise) is taken by the transport
+(:func:`binary_output_default`). Element counts are checked on the wire, before a list is built
+(:func:`check_element_count`): a refused request costs memory in proportion to the limit. FP32 outputs are
+float32 values (:func:`output`), so every transport prints the same numbers.
 
 Models have one version, ``"1"``; a request may name it or leave the version empty. No torch here.
 """
@@ -47,6 +55,7 @@ Models have one version, ``"1"``; a request may name it or leave the version emp
 from __future__ import annotations
 
 import importlib.metadata
+import struct
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -62,6 +71,11 @@ from ..tasks.limits import check_request_size
 SERVER_NAME = "relserve"
 MODEL_VERSION = "1"  # every served model has exactly this one version
 BYTES, FP32, INT64, BOOL = "BYTES", "FP32", "INT64", "BOOL"
+# the protocol extensions served, as named in the server metadata (Triton's names)
+EXTENSIONS = ("binary_tensor_data",)
+BINARY_DATA_SIZE = "binary_data_size"  # input / response output parameter: bytes of binary data
+BINARY_DATA = "binary_data"  # requested output parameter: true = this output as binary data
+BINARY_DATA_OUTPUT = "binary_data_output"  # request parameter: the default of every output's binary_data
 
 
 @dataclass(frozen=True)
@@ -143,11 +157,9 @@ def output(name: str, datatype: str, shape: tuple[int, ...], data: list) -> Tens
     return Tensor(name, datatype, tuple(shape), data)
 
 
-# Tensor-level parameters an output may carry: name -> the one accepted value
-_OUTPUT_PARAMETERS_ACCEPTED = {"binary_data": False}
 _PARAMETER_HINTS = {
-    "binary_data_size": "binary tensor data is not supported; send the elements in the tensor's data",
-    "binary_data": "binary tensor data is not supported; the elements are sent in the reply's tensor",
+    BINARY_DATA_SIZE: "it sizes binary tensor data, which this request does not carry (HTTP: send the "
+                      "Inference-Header-Content-Length header; gRPC: send raw_input_contents)",
     "classification": "the classification extension is not supported; request the 'label' output (with the "
                       "top_k parameter) instead",
     "class_count": "the classification extension is not supported; request the 'label' output (with the "
@@ -155,18 +167,129 @@ _PARAMETER_HINTS = {
 }
 
 
-def check_tensor_parameters(kind: str, name: str, parameters: Mapping[str, Any]) -> None:
+def check_tensor_parameters(kind: str, name: str, parameters: Mapping[str, Any]) -> bool | None:
     """The rule for tensor-level ``parameters`` of input (``kind`` "input") or requested output (``kind``
-    "output") ``name``, for every transport: inputs take none; outputs only ``binary_data`` false.
+    "output") ``name``, for every transport, once the transport took the input's ``binary_data_size`` of the
+    binary data it carries: inputs take none; outputs only ``binary_data``, a boolean.
+
+    Returns:
+        An output's ``binary_data`` (None when not sent); None for an input.
 
     Raises:
-        InvalidArgument: any other parameter (names it, with what to do instead).
+        InvalidArgument: any other parameter, or ``binary_data`` not a boolean (names it, with what to do
+            instead).
     """
+    binary = None
     for key, value in parameters.items():
-        if kind == "output" and key in _OUTPUT_PARAMETERS_ACCEPTED and value is _OUTPUT_PARAMETERS_ACCEPTED[key]:
+        if kind == "output" and key == BINARY_DATA:
+            if not isinstance(value, bool):
+                raise InvalidArgument(f"output {shown(name)} has parameter {BINARY_DATA!r} = {shown(str(value))}: "
+                                      f"it must be a boolean (true: this output as binary data)")
+            binary = value
             continue
         hint = _PARAMETER_HINTS.get(key, "tensor-level parameters (e.g. shared memory) are not supported")
         raise InvalidArgument(f"{kind} {shown(name)} has parameter {shown(key)} = {shown(str(value))}: {hint}")
+    return binary
+
+
+def binary_output_default(parameters: dict[str, Any]) -> bool:
+    """Take the request parameter ``binary_data_output`` out of ``parameters`` (it is the transport's, not
+    the task's): every output as binary data unless the output's ``binary_data`` says otherwise.
+
+    Raises:
+        InvalidArgument: it is not a boolean.
+    """
+    value = parameters.pop(BINARY_DATA_OUTPUT, False)
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"parameter {BINARY_DATA_OUTPUT!r} must be a boolean (true: every output as binary "
+                              f"data), got {describe(value)} {shown(str(value))}")
+    return value
+
+
+def binary_data_size(name: str, parameters: dict[str, Any]) -> int | None:
+    """Take input ``name``'s ``binary_data_size`` out of its ``parameters``: the byte length of its binary
+    data, or None when not sent.
+
+    Raises:
+        InvalidArgument: not a non-negative integer (names the input and the value).
+    """
+    if BINARY_DATA_SIZE not in parameters:
+        return None
+    size = parameters.pop(BINARY_DATA_SIZE)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise InvalidArgument(f"input {shown(name)} has parameter {BINARY_DATA_SIZE!r} = {shown(str(size))}: it "
+                              f"must be a non-negative integer (the bytes of its binary data)")
+    return size
+
+
+def max_elements(runner: Runner | None) -> int | None:
+    """The most elements one input tensor of a request to ``runner`` may hold: its ``max_request_texts``
+    (None: no limit, or no runner)."""
+    return None if runner is None else runner.config.max_request_texts
+
+
+def check_element_count(model: str, n: int, limit: int | None) -> None:
+    """Refuse a tensor of ``n`` elements over ``limit`` (:func:`max_elements`) before its elements are
+    copied, with the message of the task's own check (``max_request_texts``).
+
+    Raises:
+        InvalidArgument: ``n`` > ``limit``.
+    """
+    check_request_size(model, n, 0, limit, None)
+
+
+def check_input_count(task: str, n: int) -> None:
+    """Refuse a request of more input tensors than a ``task`` model takes, before they are converted (a
+    request of a million inputs costs no more than one of the limit).
+
+    Raises:
+        InvalidArgument: ``n`` > the task's inputs (names them).
+    """
+    if task in _INPUTS and n > len(_INPUTS[task]):
+        raise InvalidArgument(f"the request has {n} inputs; a {task} model takes {_describe_inputs(task)}")
+
+
+def split_bytes(name: str, buf: bytes | memoryview, model: str = "", limit: int | None = None,
+                what: str = "binary data") -> list[bytes]:
+    """BYTES elements in binary form: each a 4-byte little-endian length, then that many bytes.
+
+    The elements are counted first (no copy) and refused over ``limit`` (:func:`check_element_count`, naming
+    ``model``); then copied out. ``what`` names the buffer in messages ("raw contents" on gRPC).
+
+    Raises:
+        InvalidArgument: a length prefix or an element runs past the end of ``buf`` (names the input and the
+            byte offset), or too many elements.
+    """
+    view = memoryview(buf)
+    size, pos, count = len(view), 0, 0
+    while pos < size:
+        if pos + 4 > size:
+            raise InvalidArgument(f"{what} of input {shown(name)}: a length prefix is cut off at byte {pos}; BYTES "
+                                  f"elements are a 4-byte little-endian length then the bytes")
+        (n,) = struct.unpack_from("<I", view, pos)
+        if pos + 4 + n > size:
+            raise InvalidArgument(f"{what} of input {shown(name)}: element {count} has length {n} but only "
+                                  f"{size - pos - 4} bytes follow")
+        pos += 4 + n
+        count += 1
+    check_element_count(model, count, limit)
+    out, pos = [], 0
+    while pos < size:
+        (n,) = struct.unpack_from("<I", view, pos)
+        out.append(bytes(view[pos + 4:pos + 4 + n]))
+        pos += 4 + n
+    return out
+
+
+_BINARY_FORMAT = {FP32: "f", INT64: "q", BOOL: "?"}  # the output datatypes relserve produces, besides BYTES
+
+
+def to_bytes(t: Tensor) -> bytes:
+    """Output tensor ``t``'s elements in binary form (see :func:`split_bytes`; FP32 as float32, INT64 as
+    int64, BOOL one byte each, little-endian)."""
+    if t.datatype == BYTES:
+        return b"".join(struct.pack("<I", len(b)) + b for b in t.data)
+    return struct.pack(f"<{len(t.data)}{_BINARY_FORMAT[t.datatype]}", *t.data)
 
 
 def parameter_names(task: str) -> tuple[str, ...]:
@@ -202,12 +325,13 @@ def model_ready(registry: ModelRegistry, name: str, version: str = "") -> bool:
 
 
 def server_metadata() -> ServerMetadata:
-    """The server's name (``relserve``), its package version, and no protocol extensions."""
+    """The server's name (``relserve``), its package version, and the protocol extensions it serves
+    (:data:`EXTENSIONS`)."""
     try:
         version = importlib.metadata.version("relserve")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree without an install
         version = "unknown"
-    return ServerMetadata(SERVER_NAME, version, ())
+    return ServerMetadata(SERVER_NAME, version, EXTENSIONS)
 
 
 def _known(registry: ModelRegistry, name: str) -> Runner:

@@ -5,7 +5,7 @@ as protobuf bytes; the HTTP routes (``http``) in protobuf's JSON mapping. No tor
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from relserve.models.decode_types import DecodeOptions
 
@@ -33,8 +33,9 @@ def list_models(registry: ModelRegistry) -> Any:
 
 async def classify(runner: Any, request: Any, deadline: float | None) -> Any:
     """A ``ClassifyRequest`` on ``runner`` -> ``ClassifyResponse``."""
+    # the message's own repeated fields: counted before any text is copied (validate_classify returns the lists)
     texts, pairs = classify_task.validate_classify(
-        list(request.texts), list(request.text_pairs), int(request.top_k), len(runner.info().labels), runner.name,
+        request.texts, request.text_pairs, int(request.top_k), len(runner.info().labels), runner.name,
         max_texts=runner.config.max_request_texts, max_chars=runner.config.max_request_chars)
     function = classify_task.validate_function(request.function_to_apply)
     items, _timings = await classify_task.classify(runner, texts, pairs, int(request.top_k), deadline,
@@ -63,8 +64,9 @@ async def answer(runner: Any, request: Any, deadline: float | None) -> Any:
     return reply
 
 
-def decode_options(runner: Any, request: Any, texts: list[str]) -> DecodeOptions:
-    """The validated decoding options of a ``TranslateRequest`` / ``TranslateStreamRequest``."""
+def decode_options(runner: Any, request: Any, texts: Sequence[str]) -> DecodeOptions:
+    """The validated decoding options of a ``TranslateRequest`` / ``TranslateStreamRequest`` (``texts``: its
+    texts, the message's repeated field itself: counted before any is read)."""
     return translate_task.validate_translate(texts, beam_size=int(request.beam_size), n_best=int(request.n_best),
                                              max_length=int(request.max_length),
                                              return_alignment=bool(request.return_alignment), config=runner.config)
@@ -72,9 +74,8 @@ def decode_options(runner: Any, request: Any, texts: list[str]) -> DecodeOptions
 
 async def translate(runner: Any, request: Any, deadline: float | None) -> Any:
     """A ``TranslateRequest`` on ``runner`` -> ``TranslateResponse``."""
-    texts = list(request.texts)
-    options = decode_options(runner, request, texts)
-    items = await translate_task.translate(runner, texts, options, deadline)
+    options = decode_options(runner, request, request.texts)  # counted on the message before any copy
+    items = await translate_task.translate(runner, list(request.texts), options, deadline)
     reply = inference_pb2.TranslateResponse()
     for item in items:
         translation_result(reply.results.add(), item)

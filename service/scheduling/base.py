@@ -298,6 +298,7 @@ class QueueScheduler(Generic[U]):
         self._worker: asyncio.Task | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
+        self._suspended: str | None = None  # why the model cannot compute now (suspend); None: it can
         self._lane = compute if compute is not None else ComputeScheduler("shared").lane(name)
         self.drain = DrainEstimate()  # retry guidance for queue-full refusals
 
@@ -329,6 +330,24 @@ class QueueScheduler(Generic[U]):
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+
+    def suspend(self, reason: str) -> None:
+        """The model cannot compute for now (its worker process is being replaced): every waiting unit fails
+        with :class:`Unavailable` naming ``reason`` at once instead of waiting out its deadline, and so does
+        every submission until :meth:`resume`. Reservations stay held (their submissions are refused)."""
+        self._suspended = reason
+        error = self._suspension()
+        for unit in self._queue:
+            fail(unit, Unavailable(str(error)))
+        self._queue.clear()
+        self._on_depth(0)
+
+    def resume(self) -> None:
+        """Accept and compute again (after :meth:`suspend`)."""
+        self._suspended = None
+
+    def _suspension(self) -> Unavailable:
+        return Unavailable(f"model {self.name!r} is not ready: {self._suspended}; retry later")
 
     def _running(self) -> list[U]:
         """Units past the queue that a close must fail too (none unless the policy keeps some)."""
@@ -380,6 +399,8 @@ class QueueScheduler(Generic[U]):
         """Check that ``needed`` more units fit, ``held`` of the reserved places being the request's own."""
         check_open(self.name, not (self._closed or self._worker is None or self._wake is None),
                    deadline, time.monotonic())
+        if self._suspended is not None:
+            raise self._suspension()
         self._check_size(needed)
         others = self._reserved - held
         if len(self._queue) + others + needed > self.max_queue_size:

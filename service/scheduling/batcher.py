@@ -134,6 +134,9 @@ class Batcher(QueueScheduler[Unit]):
             module docstring); False runs them as formed (the switch exists to measure what it saves).
         batch_cost: the model's :class:`relserve.service.scheduling.cost_model.BatchCostModel`, typically fitted at warm-up
             (``ModelRunner`` passes the one its load calibrated); None: a new one, fitted from live calls.
+        budgeted: ``run_batch`` takes ``(payloads, budget)``: the lane's
+            :class:`relserve.service.backends.base.CallBudget` with the seconds the cost models predict for
+            that call (:meth:`predict`), which a worker process's watchdog multiplies into its timeout.
     """
 
     worker_kind = "batcher"
@@ -161,6 +164,7 @@ class Batcher(QueueScheduler[Unit]):
         compute: Lane | None = None,
         cost_batching: bool = True,
         batch_cost: BatchCostModel | None = None,
+        budgeted: bool = False,
     ) -> None:
         if max_batch_size < 1 or max_batch_tokens < 1 or max_queue_size < 1 or max_queue_delay < 0:
             raise ValueError("batcher limits must be positive (max_queue_delay >= 0)")
@@ -169,6 +173,7 @@ class Batcher(QueueScheduler[Unit]):
         super().__init__(name, max_queue_size=max_queue_size, max_queue_delay=max_queue_delay,
                          on_depth=on_queue_depth, compute=compute)
         self._run_batch = run_batch
+        self._budgeted = budgeted
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.is_padded = is_padded
@@ -323,6 +328,17 @@ class Batcher(QueueScheduler[Unit]):
         return plan_batch(lengths, coef, is_padded=self.is_padded, max_batch_size=self.max_batch_size,
                           max_batch_time=max_time, min_piece_tokens=self.cost_model.min_piece_tokens)
 
+    def predict(self, lengths: Sequence[int]) -> float | None:
+        """Seconds one backend call over units of ``lengths`` tokens is expected to take: the batch cost model
+        once fitted, else the per-token one; None before either has seen a call."""
+        if self.batch_cost.fitted:
+            predicted = self.batch_cost.predict(lengths, self.is_padded)
+            if predicted is not None:
+                return predicted
+        if not lengths:
+            return None
+        return self.cost_model.estimate(self._cost(len(lengths), max(lengths), sum(lengths)))
+
     async def _execute(self, formed: list[Unit]) -> None:
         """Run a formed batch as the sub-batches of :meth:`plan`, back to back, each a backend call of its
         own."""
@@ -337,8 +353,12 @@ class Batcher(QueueScheduler[Unit]):
         self.executions += 1
         # units cancelled or expired while the piece waited for the cores (earlier pieces, other models)
         # are left out when it gets them; a failing batch: only its own units hear about it
+        run = self._run_batch
+        if self._budgeted:  # the call's budget carries its predicted seconds (a worker's watchdog reads them)
+            budget = self.budget.expecting(self.predict([u.tokens for u in batch]))
+            run = lambda payloads: self._run_batch(payloads, budget)  # noqa: E731
         results, failed = await self._call(
-            batch, self._run_batch, [u.payload for u in batch], lambda payloads, live: [payloads[i] for i in live],
+            batch, run, [u.payload for u in batch], lambda payloads, live: [payloads[i] for i in live],
             what=f"a batch of {len(batch)}",
             mismatch=lambda n: f"backend of model {self.name!r} returned {n} results for a batch of {len(batch)}",
         )

@@ -20,7 +20,7 @@ from relserve.models.label_scores import FUNCTIONS, apply_function, default_func
 from relserve.models.tokenization import Encoding, Tokenizer
 from relserve.service.backends.base import TASK_CLASSIFICATION
 from relserve.service.errors import Internal, InvalidArgument
-from relserve.service.tasks.limits import check_request_size
+from relserve.service.tasks.limits import check_request_size, check_text_count, count_chars
 from relserve.service.tasks.text import is_blank
 from relserve.service.tasks.timings import Timings
 
@@ -48,6 +48,11 @@ def _check_text(text: object, what: str) -> None:
         raise InvalidArgument(f"{what} is empty or only whitespace; send at least one non-space character")
 
 
+def _pair_count_mismatch(texts: Sequence[str], text_pairs: Sequence[str]) -> InvalidArgument:
+    return InvalidArgument(f"text_pairs has {len(text_pairs)} entries but texts has {len(texts)}; send one pair per "
+                           f"text or none")
+
+
 def validate_classify(texts: Sequence[str], text_pairs: Sequence[str] | None, top_k: int, num_labels: int,
                       model: str, *, max_texts: int | None = None,
                       max_chars: int | None = None) -> tuple[list[str], list[str] | None]:
@@ -55,7 +60,9 @@ def validate_classify(texts: Sequence[str], text_pairs: Sequence[str] | None, to
     ``max_request_texts``), at most ``max_chars`` characters in all texts and pairs together
     (``max_request_chars``), none blank (zero-width characters count as blank), at most one pair per text,
     ``top_k`` in ``0..num_labels`` (0 = all labels; unchecked above when the model has no labels, e.g.
-    regression). The size limits are checked first, in O(number of texts).
+    regression). The counts are checked first, on the sequences as given (a wire message's repeated fields:
+    ``len()`` reads no text), then the characters, reading at most ``max_texts`` texts and as many pairs; only an
+    accepted request is copied into lists.
 
     Returns:
         ``(texts, text_pairs or None)`` as lists.
@@ -65,16 +72,15 @@ def validate_classify(texts: Sequence[str], text_pairs: Sequence[str] | None, to
     """
     if not texts:
         raise InvalidArgument("texts is empty; send at least one text")
-    check_request_size(model, len(texts), sum(map(len, texts)) + sum(map(len, text_pairs or ())),
-                       max_texts, max_chars)
+    check_text_count(model, len(texts), max_texts)
+    if text_pairs and len(text_pairs) > len(texts):  # refused before any pair is read (there may be millions)
+        raise _pair_count_mismatch(texts, text_pairs)
+    check_request_size(model, len(texts), count_chars(texts, text_pairs), max_texts, max_chars)
     for i, t in enumerate(texts):
         _check_text(t, f"texts[{i}]")
     if text_pairs:
         if len(text_pairs) != len(texts):
-            raise InvalidArgument(
-                f"text_pairs has {len(text_pairs)} entries but texts has {len(texts)}; send one pair per text "
-                f"or none"
-            )
+            raise _pair_count_mismatch(texts, text_pairs)
         for i, p in enumerate(text_pairs):
             _check_text(p, f"text_pairs[{i}]")
     if top_k < 0 or (num_labels and top_k > num_labels):

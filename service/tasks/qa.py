@@ -10,6 +10,7 @@ it cannot search is INTERNAL.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -28,6 +29,7 @@ MAX_TOP_K = 20  # answers per question
 # Characters per token assumed when estimating a QA request's windows from its length, before tokenizing (for
 # the queue reservation; prose runs about 4-5 per token with the default vocabularies).
 QA_ESTIMATE_CHARS_PER_TOKEN = 4
+MIN_QA_SEQ_LEN = 8  # the smallest window a request may ask for (the config key max_seq_len's lower bound)
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class AnswerOptions:
     stride_is_default: bool = False
     # spans widened to whole words (relserve.models.qa_spans.word_span), the pipeline's align_to_words
     align_to_words: bool = True
+    # the request's window in tokens (the pipeline's max_seq_len, at most the model's); None: the model's
+    max_seq_len: int | None = None
 
 
 def validate_answer(question: object, context: object, *, top_k: int, max_answer_len: int, doc_stride: int,
@@ -97,17 +101,29 @@ def validate_answer(question: object, context: object, *, top_k: int, max_answer
 
 def validate_for(runner: Any, question: object, context: object, *, top_k: int, max_answer_len: int,
                  doc_stride: int, allow_impossible: bool, null_threshold: float | None,
-                 align_to_words: bool | None) -> AnswerOptions:
+                 align_to_words: bool | None, max_seq_len: int | None = None) -> AnswerOptions:
     """:func:`validate_answer` against ``runner``'s limits and config defaults (``max_seq_len``,
-    ``max_answer_len``, ``doc_stride``, ``max_request_chars``, ``align_to_words``)."""
+    ``max_answer_len``, ``doc_stride``, ``max_request_chars``, ``align_to_words``); ``max_seq_len`` a smaller
+    window for this request (``MIN_QA_SEQ_LEN``..the model's ``max_seq_len``; None: the model's).
+
+    Raises:
+        InvalidArgument: as :func:`validate_answer`, or ``max_seq_len`` out of range (naming the range).
+    """
     cfg = runner.config
-    return validate_answer(
+    if max_seq_len is not None and not MIN_QA_SEQ_LEN <= max_seq_len <= runner.max_seq_len:
+        raise InvalidArgument(f"max_seq_len {max_seq_len} is out of range; allowed {MIN_QA_SEQ_LEN}..the "
+                              f"{runner.max_seq_len} tokens of model {runner.name!r}'s window (its max_seq_len)")
+    # a smaller window lowers the default answer length to it (an explicit longer one is refused)
+    default_answer_len = min(cfg.max_answer_len, max_seq_len or cfg.max_answer_len)
+    options = validate_answer(
         question, context, top_k=top_k, max_answer_len=max_answer_len, doc_stride=doc_stride,
-        allow_impossible=allow_impossible, null_threshold=null_threshold, max_seq_len=runner.max_seq_len,
-        default_max_answer_len=cfg.max_answer_len, default_doc_stride=cfg.doc_stride,
+        allow_impossible=allow_impossible, null_threshold=null_threshold,
+        max_seq_len=max_seq_len or runner.max_seq_len,
+        default_max_answer_len=default_answer_len, default_doc_stride=cfg.doc_stride,
         max_chars=cfg.max_request_chars, model=runner.name, align_to_words=align_to_words,
         default_align_to_words=cfg.align_to_words,
     )
+    return options if max_seq_len is None else dataclasses.replace(options, max_seq_len=max_seq_len)
 
 
 @dataclass
@@ -131,10 +147,12 @@ class AnswerResult:
     timings: Timings = field(default_factory=Timings)
 
 
-def estimated_windows(runner: Any, question: str, context: str, doc_stride: int) -> int:
+def estimated_windows(runner: Any, question: str, context: str, doc_stride: int,
+                      max_seq_len: int | None = None) -> int:
     """The windows a QA request will need, from its lengths alone (``QA_ESTIMATE_CHARS_PER_TOKEN``), at
-    most ``max_qa_windows``: what :func:`answer` reserves before tokenizing."""
-    max_seq_len = runner.max_seq_len
+    most ``max_qa_windows``: what :func:`answer` reserves before tokenizing (windows of ``max_seq_len``
+    tokens; None: the model's)."""
+    max_seq_len = max_seq_len or runner.max_seq_len
     max_q = (max_seq_len - 3) // 2
     room = max_seq_len - 3 - min(max_q, max(1, len(question) // QA_ESTIMATE_CHARS_PER_TOKEN))
     step = room - min(doc_stride, room // 2)
@@ -167,10 +185,12 @@ async def answer(runner: Any, question: str, context: str, options: AnswerOption
     batcher = runner.check_ready()
     timings = Timings()
     limit = runner.config.max_qa_windows
-    with batcher.reserve(estimated_windows(runner, question, context, options.doc_stride), deadline) as reservation:
+    seq_len = options.max_seq_len or runner.max_seq_len
+    with batcher.reserve(estimated_windows(runner, question, context, options.doc_stride, seq_len),
+                         deadline) as reservation:
         try:
             windows, timings.tokenization_s = await runner.tokenize(
-                _windows, runner.meta.tokenizer, question, context, runner.max_seq_len, options.doc_stride,
+                _windows, runner.meta.tokenizer, question, context, seq_len, options.doc_stride,
                 max_windows=limit, clamp_stride=options.stride_is_default,
             )
         except TooManyWindows as exc:

@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Sequence
 from relserve.models.decode_types import DecodeOptions, Hypothesis
 from relserve.service.config import MAX_BEAM_SIZE, ModelConfig
 from relserve.service.errors import DeadlineExceeded, InvalidArgument
-from relserve.service.tasks.limits import check_request_size
+from relserve.service.tasks.limits import check_request_size, check_text_count, count_chars
 from relserve.service.tasks.text import is_blank
 
 
@@ -41,7 +41,8 @@ class TranslationItem:
 
 def validate_translate(texts: Sequence[str], *, beam_size: int, n_best: int, max_length: int,
                        return_alignment: bool, config: ModelConfig) -> DecodeOptions:
-    """Check a Translate / TranslateStream request and resolve its defaults from the model's config.
+    """Check a Translate / TranslateStream request and resolve its defaults from the model's config. ``texts``
+    may be a wire message's repeated field: its count is checked before any text is read.
 
     Returns:
         The options every text of the request is decoded with (the length rule resolves per text).
@@ -53,7 +54,8 @@ def validate_translate(texts: Sequence[str], *, beam_size: int, n_best: int, max
     c = config
     if not texts:
         raise InvalidArgument("texts is empty; send at least one text")
-    check_request_size(c.name, len(texts), sum(map(len, texts)), c.max_request_texts, c.max_request_chars)
+    check_text_count(c.name, len(texts), c.max_request_texts)  # before any text is read: len() of the wire field
+    check_request_size(c.name, len(texts), count_chars(texts), c.max_request_texts, c.max_request_chars)
     beam = beam_size or c.beam_size
     if not 1 <= beam <= MAX_BEAM_SIZE:
         raise InvalidArgument(

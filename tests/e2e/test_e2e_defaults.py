@@ -196,7 +196,7 @@ def test_metrics_endpoint(server):
     stub.Classify(pb.ClassifyRequest(model="sentiment", texts=["a fine film"]), timeout=30)
     text = urllib.request.urlopen(srv.metrics_url, timeout=10).read().decode()
     for name in (
-        'relserve_requests_total{code="OK",model="sentiment",task="classification"}',
+        'relserve_requests_total{code="OK",model="sentiment",protocol="grpc_v1",task="classification"}',
         "relserve_request_duration_seconds_bucket", "relserve_queue_duration_seconds_bucket",
         "relserve_inference_duration_seconds_bucket", "relserve_tokenization_duration_seconds_bucket",
         "relserve_batch_size_bucket", "relserve_batch_tokens_bucket", 'kind="real"', 'kind="padding"',

@@ -14,7 +14,8 @@ from relserve.loadtest.bench import harness
 
 LOADTEST = Path(__file__).resolve().parents[2] / "loadtest"
 BENCHMARKS = ("cpu", "decode_step", "encoder", "hostile", "instances", "isolation", "onnx_encoder", "onnx_ops",
-              "onnx_translation", "relpos", "serving", "train_autocast", "translation", "unpadded")
+              "onnx_translation", "relpos", "serving", "train_autocast", "translation", "unpadded",
+              "worker_faults", "http_flood", "shape_soak")
 NEEDS_ONNX = {"onnx_encoder", "onnx_ops"}
 
 

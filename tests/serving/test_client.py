@@ -19,7 +19,7 @@ from fixtures.fake_serving import runner, server_config
 from fixtures.server import Running
 from fixtures.tls import make_pki
 from fixtures.translation import make_tiny_checkpoint
-from relserve.client import Client, ClientError
+from relserve.client import Client, ClientError, ClientUsageError
 from relserve.service._proto import inference_pb2 as pb
 from relserve.service.frontends.grpc_v1 import InferenceServicer
 from relserve.service.backends.base import TASK_QA
@@ -33,7 +33,7 @@ CONTEXT = "My name is Wolfgang and I live in Berlin."
 
 
 def test_import_pulls_in_only_grpc_and_protobuf():
-    code = ("import relserve.client, sys; "
+    code = ("import relserve.client, relserve.client.cli, sys; "
             "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     top_level = set(out.stdout.split())
@@ -314,3 +314,68 @@ def test_tls_mtls_and_token(tmp_path):
             assert _error(plaintext.classify, "sentiment", ["good"]).code == grpc.StatusCode.UNAVAILABLE
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda c: c.classify("m", ["x"], top_k=-1), "top_k must be an int in 0..4294967295, got -1"),
+    (lambda c: c.classify("m", ["x"], top_k="3"), "top_k must be an int in 0..4294967295, got '3'"),
+    (lambda c: c.classify("m", ["x"], top_k=1.5), "top_k must be an int"),
+    (lambda c: c.classify("m", ["ok", 7]), "texts[1] must be a str (UTF-8 encodable), got 7"),
+    (lambda c: c.classify("m", ["bad \udcff surrogate"]), "texts[0] must be a str (UTF-8 encodable)"),
+    (lambda c: c.classify("m", 7), "texts must be a str or a sequence of str, got int"),
+    (lambda c: c.classify("m", b"bytes"), "texts must be a str or a sequence of str, got bytes"),
+    (lambda c: c.classify("m", ["x"], ["p", None]), "text_pairs[1] must be a str"),
+    (lambda c: c.classify(3, ["x"]), "model must be a str (UTF-8 encodable), got 3"),
+    (lambda c: c.classify("m", ["x"], function_to_apply=1), "function_to_apply must be a str"),
+    (lambda c: c.answer("qa", "q", "c", top_k=2 ** 32), "top_k must be an int in 0..4294967295, got 4294967296"),
+    (lambda c: c.answer("qa", "q", "c", max_answer_len=-5), "max_answer_len must be an int in 0..4294967295"),
+    (lambda c: c.answer("qa", "q", "c", null_threshold="high"), "null_threshold must be a number, got 'high'"),
+    (lambda c: c.answer("qa", "q", "c", align_to_words="yes"), "align_to_words must be a bool, got 'yes'"),
+    (lambda c: c.answer("qa", ["q"], "c"), "question must be a str"),
+    (lambda c: c.translate("tr", ["x"], beam_size=-1), "beam_size must be an int in 0..4294967295, got -1"),
+    (lambda c: c.translate("tr", ["x"], n_best=-1), "n_best must be an int in 0..4294967295, got -1"),
+    # raised by the call itself, not when the stream is first read
+    (lambda c: c.translate_stream("tr", "x", max_length=-1), "max_length must be an int in 0..4294967295"),
+    (lambda c: c.translate_stream("tr", ["x"]), "text must be a str"),
+    (lambda c: c.health(7), "service must be a str"),
+    (lambda c: c.list_models(timeout="soon"), "timeout must be a number of seconds or None, got 'soon'"),
+    (lambda c: c.list_models(timeout=float("inf")), "timeout must be at most 1e+09 seconds"),
+    (lambda c: c.list_models(timeout=float("nan")), "timeout must be at most 1e+09 seconds"),
+])
+def test_arguments_refused_before_sending_are_client_usage_errors_naming_them(call, message):
+    # nothing listens on port 1: an argument that got as far as a call would end UNAVAILABLE, not here
+    with Client("127.0.0.1:1", timeout=30) as c:
+        with pytest.raises(ClientError) as err:
+            call(c)
+    assert isinstance(err.value, ClientUsageError) and isinstance(err.value, ValueError)  # ValueError as before
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details
+    assert str(err.value) == err.value.details and err.value.trailing_metadata == ()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(target=""), "target must be a non-empty str"),
+    (dict(target=50051), "target must be a non-empty str"),
+    (dict(timeout=float("inf")), "timeout must be at most 1e+09 seconds"),
+    (dict(timeout="30"), "timeout must be a number of seconds or None"),
+    (dict(root_certificates=3), "root_certificates must be PEM bytes or a path, got int"),
+    (dict(root_certificates=b"not a certificate"), "root_certificates is not PEM"),
+    (dict(options=[("grpc.max_receive_message_length",)]), "options must be (name, value) pairs"),
+    (dict(options=3), "options must be (name, value) pairs"),
+])
+def test_client_arguments_refused_are_client_usage_errors(kwargs, message):
+    kwargs = {"target": "127.0.0.1:1", **kwargs}
+    with pytest.raises(ClientUsageError) as err:
+        Client(kwargs.pop("target"), **kwargs)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in str(err.value)
+
+
+def test_a_closed_client_is_a_usage_error_and_a_refused_port_is_unavailable_at_once():
+    c = Client("127.0.0.1:1", timeout=30)
+    start = time.monotonic()
+    err = _error(c.list_models)  # nothing listens: refused, so UNAVAILABLE now rather than at the 30 s deadline
+    assert err.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - start < 10
+    c.close()
+    for call in (c.list_models, lambda: list(c.translate_stream("tr", "x"))):
+        with pytest.raises(ClientUsageError) as closed:
+            call()
+        assert closed.value.code == grpc.StatusCode.FAILED_PRECONDITION and "closed" in closed.value.details

@@ -1,4 +1,4 @@
-"""The HTTP/JSON API (service/frontends/http.py) of a real server on free loopback ports, driven with plain HTTP
+"""The HTTP/JSON API (service/frontends/http_transport.py, http_v2.py, http_v1.py) of a real server on free loopback ports, driven with plain HTTP
 requests (urllib, as curl would send them): the relserve.v1 task routes and the KServe v2 REST routes give the
 gRPC answers for the same inputs; errors are JSON with the HTTP status of the gRPC code; limits, deadlines,
 bearer tokens, TLS, /metrics and the drain."""
@@ -32,6 +32,7 @@ from relserve.service._proto import grpc_predict_v2_pb2_grpc as v2_grpc
 from relserve.service._proto import inference_pb2 as pb
 from relserve.service.backends.base import TASK_CLASSIFICATION, TASK_QA, TASK_TRANSLATION
 from relserve.service.config import ModelConfig
+from relserve.service.metrics import PROTOCOLS
 from relserve.service.registry import build_runner
 from relserve.service.runner import ModelRunner
 
@@ -79,7 +80,8 @@ def as_json(message) -> dict:
 
 
 def count(model: str, task: str, code: str) -> float:
-    return REGISTRY.get_sample_value("relserve_requests_total", {"model": model, "task": task, "code": code}) or 0.0
+    return sum(REGISTRY.get_sample_value("relserve_requests_total", {"model": model, "task": task, "code": code,
+                                                                     "protocol": p}) or 0.0 for p in PROTOCOLS)
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +249,7 @@ def test_queue_full_is_429_with_retry_after_and_deadline_is_504(srv, gated):
 
 def test_v2_server_and_model_metadata(srv):
     meta = http(srv.base, "GET", "/v2")
-    assert meta.status == 200 and meta.json["name"] == "relserve" and meta.json["extensions"] == []
+    assert meta.status == 200 and meta.json["name"] == "relserve" and meta.json["extensions"] == ["binary_tensor_data"]
     assert http(srv.base, "GET", "/v2/health/live").json == {"live": True}
     ready = http(srv.base, "GET", "/v2/health/ready")
     assert (ready.status, ready.json) == (200, {"ready": True})
@@ -523,7 +525,7 @@ def test_malformed_http_is_400_with_one_warning_line_and_no_traceback(srv, caplo
     reply = _raw_exchange(srv.server.http_port, data)
     assert reply.startswith(b"HTTP/1.") and b" 400 " in reply.split(b"\r\n", 1)[0], reply[:200]
     assert _errors_logged(caplog) == []
-    warnings = [r.getMessage() for r in caplog.records if r.name == "relserve.service.frontends.http"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "relserve.service.frontends.http_transport"]
     if reason is None:
         assert warnings == []
     else:
@@ -572,8 +574,10 @@ def test_metrics_on_the_http_port(srv):
     assert reply.status == 200 and reply.headers["Content-Type"].startswith("text/plain")
     text = reply.body.decode()
     line = next(l for l in text.splitlines()
-                if l.startswith('relserve_requests_total{code="OK",model="sentiment",task="classification"}'))
-    assert float(line.split()[-1]) == count("sentiment", TASK_CLASSIFICATION, "OK")
+                if l.startswith('relserve_requests_total{code="OK",model="sentiment",protocol="http_v1",'
+                              'task="classification"}'))
+    assert float(line.split()[-1]) == REGISTRY.get_sample_value("relserve_requests_total", {
+        "model": "sentiment", "task": TASK_CLASSIFICATION, "code": "OK", "protocol": "http_v1"})
     urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10).close()  # still served
 
 

@@ -8,14 +8,13 @@ the HTTP/JSON v2 route of the same server gives exactly the same FP32 values and
 
 (b) tritonclient[grpc]==2.73.0 as a real third-party client. It needs protobuf<7 while relserve runs protobuf 7,
 and both define the proto package ``inference``, so it runs in its own venv
-(``build/tritonclient-venv``, created once with ``python -m venv`` + pip and reused; a marker file says it is
-complete) as a subprocess (``tests/fixtures/tritonclient_script.py``). ``RELSERVE_TRITONCLIENT_PYTHON`` names
+(``build/tritonclient-http-grpc-venv`` of tests/fixtures/client_venvs.py, built once and shared with the
+real-client tests) as a subprocess (``tests/fixtures/tritonclient_script.py``). ``RELSERVE_TRITONCLIENT_PYTHON`` names
 another interpreter that has tritonclient installed (offline machines).
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
 import os
@@ -30,6 +29,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from fixtures import client_venvs
 from fixtures.deberta import make_deberta_checkpoint
 from fixtures.fake_serving import runner as fake_runner
 from fixtures.fake_serving import server_config
@@ -43,7 +43,6 @@ from relserve.service.config import ModelConfig
 from relserve.service.registry import build_runner
 
 REPO = Path(__file__).resolve().parents[2]
-TRITONCLIENT = "tritonclient[grpc]==2.73.0"
 TEXTS = ["the film was a quiet delight", "a dull and tiring evening"]
 PAIRS = ["it was good", "it was bad"]
 QUESTIONS = ["Where does Ann live?", "What does Bob drink?"]
@@ -318,8 +317,8 @@ def test_errors_name_what_was_wrong(srv):
     req.outputs[0].parameters["classification"].int64_param = 2
     _invalid(srv, req, "output 'label' has parameter 'classification' = '2'", "request the 'label' output")
     req = _request("cls", {"text": TEXTS}, outputs=["label"])
-    req.outputs[0].parameters["binary_data"].bool_param = True
-    _invalid(srv, req, "output 'label' has parameter 'binary_data' = 'True'", "binary tensor data is not supported")
+    req.outputs[0].parameters["binary_data"].string_param = "yes"  # true / false: tests/serving/test_oip_binary.py
+    _invalid(srv, req, "output 'label' has parameter 'binary_data' = 'yes'", "must be a boolean")
     req = _request("cls", {"text": TEXTS})
     req.inputs[0].parameters["binary_data_size"].int64_param = 9
     _invalid(srv, req, "input 'text' has parameter 'binary_data_size'")
@@ -368,7 +367,8 @@ def test_http_fp32_values_equal_grpc_exactly(srv, raw):
 
 def _requests_total(model: str, task: str, code: str) -> float:
     return sum(s.value for f in REGISTRY.collect() for s in f.samples
-               if s.name == "relserve_requests_total" and s.labels == {"model": model, "task": task, "code": code})
+               if s.name == "relserve_requests_total" and {k: v for k, v in s.labels.items() if k != "protocol"}
+               == {"model": model, "task": task, "code": code})
 
 
 def test_metrics_use_the_v1_names_and_labels(srv):
@@ -452,29 +452,9 @@ def test_ready_only_when_warm_and_not_draining():
 
 
 def _tritonclient_python() -> str:
-    """An interpreter with tritonclient: $RELSERVE_TRITONCLIENT_PYTHON, else the cached venv under build/
-    (created on first use; a lock keeps parallel test processes from building it twice)."""
-    given = os.environ.get("RELSERVE_TRITONCLIENT_PYTHON")
-    if given:
-        return given
-    venv = REPO / "build" / "tritonclient-venv"
-    python = venv / "bin" / "python"
-    marker = venv / "relserve-complete"
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    with open(venv.parent / "tritonclient-venv.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if marker.exists() and marker.read_text() == TRITONCLIENT and python.exists():
-            return str(python)
-        steps = ([sys.executable, "-m", "venv", "--clear", str(venv)],
-                 [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", TRITONCLIENT])
-        for step in steps:
-            done = subprocess.run(step, capture_output=True, text=True, timeout=600)
-            if done.returncode != 0:
-                pytest.fail(f"{' '.join(step)} failed ({done.returncode}); set RELSERVE_TRITONCLIENT_PYTHON to an "
-                            f"interpreter with {TRITONCLIENT} when offline:\n{done.stdout[-2000:]}"
-                            f"{done.stderr[-2000:]}")
-        marker.write_text(TRITONCLIENT)
-    return str(python)
+    """An interpreter with tritonclient: $RELSERVE_TRITONCLIENT_PYTHON, else the cached venv under build/ that
+    the real-client tests share (tests/fixtures/client_venvs.py; built once, under a lock)."""
+    return client_venvs.TRITONCLIENT.python()
 
 
 def test_tritonclient_gets_the_v1_answers(srv):

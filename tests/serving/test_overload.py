@@ -65,8 +65,8 @@ def _wait_for(condition, what: str, timeout: float = 10.0) -> None:
 
 
 def _count(model: str, code: str) -> float:
-    return REGISTRY.get_sample_value("relserve_requests_total",
-                                     {"model": model, "task": TASK_CLASSIFICATION, "code": code}) or 0.0
+    return REGISTRY.get_sample_value("relserve_requests_total", {"model": model, "task": TASK_CLASSIFICATION,
+                                                                 "code": code, "protocol": "grpc_v1"}) or 0.0
 
 
 def _fill(srv: Running, backend: GatedBackend, runner: ModelRunner, model: str) -> list[grpc.Future]:

@@ -95,8 +95,8 @@ def _list_services(channel: grpc.Channel, metadata=None) -> list[str]:
 
 def _unauthenticated_count(task: str) -> float:
     return sum(s.value for f in REGISTRY.collect() for s in f.samples
-               if s.name == "relserve_requests_total" and s.labels == {
-                   "model": UNKNOWN_MODEL, "task": task, "code": "UNAUTHENTICATED"})
+               if s.name == "relserve_requests_total" and {k: v for k, v in s.labels.items() if k != "protocol"}
+               == {"model": UNKNOWN_MODEL, "task": task, "code": "UNAUTHENTICATED"})
 
 
 # ---------------------------------------------------------------------- TLS and mTLS
@@ -273,7 +273,7 @@ def test_metrics_port_serves_only_metrics():
         status, headers, body = _http(base + "/metrics")
         assert status == 200 and headers["Content-Type"].startswith("text/plain")
         text = body.decode()
-        assert 'relserve_requests_total{code="OK",model="sentiment",task="classification"}' in text
+        assert 'relserve_requests_total{code="OK",model="sentiment",protocol="grpc_v1",task="classification"}' in text
         assert "relserve_queue_depth" in text and "process_resident_memory_bytes" in text
         for path in ("/", "/health", "/v2/health/ready", "/metrics/", "/metricsx", "/favicon.ico"):
             status, _, body = _http(base + path)

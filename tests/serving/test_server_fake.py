@@ -124,7 +124,8 @@ def _metric(srv, sample: str) -> float:
 def test_malformed_bytes_are_invalid_argument_and_counted(srv, method, task, data):
     """Issue 10 item 1: bytes that do not decode get INVALID_ARGUMENT (not UNKNOWN), counted under that code;
     the server answers a well-formed request right after."""
-    sample = f'relserve_requests_total{{code="INVALID_ARGUMENT",model="{UNKNOWN_MODEL}",task="{task}"}}'
+    sample = (f'relserve_requests_total{{code="INVALID_ARGUMENT",model="{UNKNOWN_MODEL}",protocol="grpc_v1",'
+              f'task="{task}"}}')
     before = _metric(srv, sample)
     path = f"/relserve.v1.Inference/{method}"
     call = (srv.channel.unary_stream if method == "TranslateStream" else srv.channel.unary_unary)(path)
@@ -307,9 +308,10 @@ def test_metrics_endpoint(srv):
         "relserve_inflight_requests", "relserve_model_info", "process_resident_memory_bytes",
     ]:
         assert name in text, name
-    assert 'relserve_requests_total{code="OK",model="sentiment",task="classification"}' in text
+    assert 'relserve_requests_total{code="OK",model="sentiment",protocol="grpc_v1",task="classification"}' in text
     # a request naming no loaded model is counted under one bounded label, not under the name it sent
-    assert f'relserve_requests_total{{code="NOT_FOUND",model="{UNKNOWN_MODEL}",task="classification"}}' in text
+    assert (f'relserve_requests_total{{code="NOT_FOUND",model="{UNKNOWN_MODEL}",protocol="grpc_v1",'
+            f'task="classification"}}') in text
     assert 'model="nope-metrics"' not in text
     assert 'kind="padding"' in text and 'kind="real"' in text
     assert 'relserve_inference_duration_seconds_count{backend="fake",model="sentiment"}' in text

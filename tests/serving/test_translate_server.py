@@ -314,7 +314,7 @@ def test_metrics(srv):
     tokens = delta("relserve_generated_tokens_total")
     assert delta("relserve_decode_step_hypotheses_sum") == tokens and steps <= tokens <= 3 * steps
     assert after[("relserve_active_hypotheses", "")] == 0
-    assert 'relserve_requests_total{code="OK",model="tr",task="translation"}' in text
+    assert 'relserve_requests_total{code="OK",model="tr",protocol="grpc_v1",task="translation"}' in text
     assert 'relserve_queue_duration_seconds_count{model="tr"}' in text
     assert 'relserve_inference_duration_seconds_count{backend="torch",model="tr"}' in text
     dtype = srv.server.registry.runners["tr"].info().dtype  # dtype auto: float32, or bfloat16 where it is native

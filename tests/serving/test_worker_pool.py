@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import urllib.request
 
 import numpy as np
@@ -116,6 +117,9 @@ def test_an_instance_killed_while_idle_is_restarted_and_no_request_fails(srv):
     a = srv.stub.Classify(pb.ClassifyRequest(model="cls-inproc", texts=TEXTS), timeout=120).results
     b = srv.stub.Classify(pb.ClassifyRequest(model="cls-pool", texts=TEXTS), timeout=120).results
     assert [[s.label for s in x.labels] for x in a] == [[s.label for s in y.labels] for y in b]
+    end = time.monotonic() + 150  # the watchdog replaces it in the background (calls went to instance 0 meanwhile)
+    while not (pool.pids[1] not in (None, old) and pool.workers[1].can_compute) and time.monotonic() < end:
+        time.sleep(0.05)
     assert pool.pids[1] not in (None, old) and process_alive(pool.pids[1]) and process_alive(pool.pids[0])
 
 

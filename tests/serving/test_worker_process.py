@@ -103,11 +103,23 @@ def test_the_worker_is_a_child_process_and_its_cpu_and_memory_are_metrics(srv):
     assert 'relserve_worker_cpu_seconds_total{model="cls-inproc"}' not in body
 
 
-def test_a_worker_killed_while_idle_is_restarted_and_no_request_fails(srv):
+def _wait_ready_again(srv, name: str, old: int) -> None:
+    """The watchdog replaced the worker (the model is NOT_SERVING meanwhile: tests/serving/test_worker_health.py)."""
+    from grpc_health.v1 import health_pb2
+
+    backend = _worker(srv, name)
+    serving = health_pb2.HealthCheckResponse.SERVING
+    end = time.monotonic() + 150
+    while not (backend.pid not in (None, old) and srv.health_status(name) == serving) and time.monotonic() < end:
+        time.sleep(0.05)
+
+
+def test_a_worker_killed_while_idle_is_restarted_and_serves_again(srv):
     backend = _worker(srv, "cls-worker")
     old = backend.pid
     os.kill(old, signal.SIGKILL)
     assert wait_gone(old)
+    _wait_ready_again(srv, "cls-worker", old)
     _assert_same_classify(_classify(srv, "cls-inproc"), _classify(srv, "cls-worker"))
     assert backend.pid not in (None, old) and process_alive(backend.pid)
 
@@ -126,6 +138,7 @@ def test_a_worker_that_dies_during_a_batch_fails_that_batch_only(srv):
         call.result()
     assert err.value.code() == grpc.StatusCode.INTERNAL
     assert "worker process was killed by SIGKILL" in err.value.details()
+    _wait_ready_again(srv, "qa-worker", old)
     kw = dict(question="Who is Tom?", context=CONTEXT, top_k=2)
     a = srv.stub.Answer(pb.AnswerRequest(model="qa-inproc", **kw), timeout=60)
     b = srv.stub.Answer(pb.AnswerRequest(model="qa-worker", **kw), timeout=60)

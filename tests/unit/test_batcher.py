@@ -607,3 +607,56 @@ def test_reservation_released_on_error_and_on_cancellation():
         await b.close()
 
     run(main())
+
+
+def test_a_suspended_batcher_fails_its_queue_and_refuses_until_resumed():
+    """A model whose worker is being replaced (service/runner.py ``_set_unavailable``): queued units fail
+    UNAVAILABLE naming the reason at once, new submissions are refused with it, and after ``resume`` it serves."""
+    from relserve.service.errors import Unavailable
+
+    be = HangingBackend()
+
+    async def main():
+        b = Batcher("m", be, max_batch_size=1, max_queue_delay=0)
+        b.start()
+        running = asyncio.ensure_future(b.run([(3, 1)]))
+        while not be.batches:
+            await asyncio.sleep(0.001)
+        queued = asyncio.ensure_future(b.run([(3, 2)], deadline=time.monotonic() + 60))
+        await asyncio.sleep(0.01)
+        b.suspend("worker process 42 was killed by SIGKILL")
+        with pytest.raises(Unavailable, match="not ready: worker process 42 was killed by SIGKILL"):
+            await queued
+        with pytest.raises(Unavailable, match="worker process 42"):
+            b.submit([(3, 3)])
+        be.release.set()
+        await running
+        b.resume()
+        units = await b.run([(3, 4)])
+        await b.close()
+        return units[0].result
+
+    assert run(main()) == 4
+
+
+def test_a_budgeted_batcher_passes_each_call_its_predicted_seconds():
+    """``budgeted``: the backend gets ``(payloads, budget)``; the budget's ``expected_s`` is the cost model's
+    prediction for that call (None before it has seen one), which a worker's watchdog turns into its timeout."""
+    seen = []
+
+    def backend(payloads, budget):
+        seen.append(budget.expected_s)
+        time.sleep(0.01)
+        return list(payloads)
+
+    async def main():
+        b = Batcher("m", backend, max_queue_delay=0, budgeted=True)
+        b.start()
+        for i in range(3):
+            await b.run([(8, i)])
+        await b.close()
+        return b
+
+    b = run(main())
+    assert seen[0] is None and all(s is not None and s > 0 for s in seen[1:])
+    assert seen[-1] >= 0.005  # each call slept 10 ms: the prediction learned it

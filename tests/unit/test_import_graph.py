@@ -115,6 +115,9 @@ def build_graph() -> Graph:
         collector = _Collector(module, path.name == "__init__.py")
         collector.visit(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
         for candidates, line, module_level in collector.found:
+            # relserve.client is the directory service/client (pyproject's package-dir), named so here
+            candidates = ["relserve.service.client" + c.removeprefix("relserve.client")
+                          if c == "relserve.client" or c.startswith("relserve.client.") else c for c in candidates]
             if candidates[0].startswith("relserve."):
                 target = next((c for c in candidates if c in graph.modules), None)
                 if target is None:
@@ -286,9 +289,12 @@ SHARED = ("relserve.service.errors", "relserve.service.metrics", "relserve.servi
           "relserve.service.reflection", "relserve.service._proto")
 # the wiring above every layer (it builds them all): free to import any of them
 WIRING = ("relserve.service", "relserve.service.server", "relserve.service.main")
-# one module per wire surface; the other frontends/ modules are the codecs the surfaces share
+# one module per wire surface; the other frontends/ modules are the codecs and transports the surfaces share
+# (http_transport: the HTTP listener every HTTP surface registers its routes on)
 SURFACES = ("relserve.service.frontends.grpc_v1", "relserve.service.frontends.kserve_v2_grpc",
-            "relserve.service.frontends.http")
+            "relserve.service.frontends.http_v2", "relserve.service.frontends.http_v1",
+            "relserve.service.frontends.kserve_v1", "relserve.service.frontends.hf_inference",
+            "relserve.service.frontends.tei")
 
 
 def _under(module: str, prefixes: tuple[str, ...]) -> bool:
@@ -335,11 +341,11 @@ def test_layer_rules_catch_an_upward_import(monkeypatch):
     """The checks above can fail: a backend importing a task, and one surface importing another, are found."""
     graph = build_graph()
     fake = [Import("relserve.service.backends.base", "relserve.service.tasks.classify", 1, True, True),
-            Import("relserve.service.frontends.http", "relserve.service.frontends.grpc_v1", 1, False, True)]
+            Import("relserve.service.frontends.http_v2", "relserve.service.frontends.grpc_v1", 1, False, True)]
     monkeypatch.setattr(graph, "imports", graph.imports + fake)
     with pytest.raises(AssertionError, match="backends module relserve.service.backends.base imports tasks"):
         test_layers_import_only_downward()
-    with pytest.raises(AssertionError, match="frontends.http imports relserve.service.frontends.grpc_v1"):
+    with pytest.raises(AssertionError, match="frontends.http_v2 imports relserve.service.frontends.grpc_v1"):
         test_no_wire_surface_imports_another()
 
 
@@ -349,9 +355,11 @@ def test_layer_rules_catch_an_upward_import(monkeypatch):
 # backend is created
 NO_TORCH_AT_IMPORT = [f"relserve.service.{n}" for n in SCHEDULING_AND_API] + [
     "relserve.service.runner", "relserve.service.metrics", "relserve.service.server", "relserve.service.main",
-    "relserve.service.backends", "relserve.service.frontends.http", "relserve.service.frontends.kserve_v2_grpc",
+    "relserve.service.backends", "relserve.service.frontends.http_transport", "relserve.service.frontends.http_v2",
+    "relserve.service.frontends.http_v1", "relserve.service.frontends.kserve_v2_grpc",
     "relserve.service.frontends.oip_codec", "relserve.service.tasks.classify", "relserve.service.tasks.qa",
-    "relserve.service.tasks.translate",
+    "relserve.service.tasks.translate", "relserve.service.frontends.kserve_v1",
+    "relserve.service.frontends.hf_inference", "relserve.service.frontends.tei", "relserve.service.tasks.tokens",
 ]
 
 

@@ -35,6 +35,8 @@ def test_parts_are_contiguous_in_length_and_about_equal_in_tokens():
 
 
 class _FakeWorker:
+    can_compute = True  # no watchdog complaint (WorkerBackend.can_compute)
+
     def __init__(self, fail: bool = False) -> None:
         self.calls: list[tuple[list[int], int]] = []
         self.fail = fail
@@ -94,3 +96,13 @@ def test_fixed_thread_counts_are_the_models_shared_out_between_instances(tmp_pat
     pool.close()
     assert worker_pool._per_instance(3, 2) == 1 and worker_pool._per_instance(1, 4) == 1
     assert worker_pool._per_instance(0, 2) == 0  # unset stays unset (the share decides)
+
+
+def test_an_instance_being_replaced_gets_no_part(tmp_path):
+    pool = _pool(tmp_path)
+    pool.workers = [_FakeWorker(), _FakeWorker()]
+    pool.workers[1].can_compute = False  # its watchdog is replacing it: the call goes to the other
+    lengths = [7, 3, 5]
+    assert pool.run(_items(lengths), CallBudget.fixed(2)) == [n * 10 for n in lengths]
+    assert pool.workers[0].calls[0] == (sorted(lengths, reverse=True), 2) and pool.workers[1].calls == []
+    pool.close()

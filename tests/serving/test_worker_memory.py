@@ -1,0 +1,89 @@
+"""Worker memory under many input shapes (service/backends/heap.py ``HeapBound``, ``heap_trim_mb``): a real worker
+process of a tiny torch classifier runs batches of ever new shapes; after warm-up its resident memory stays
+within a bound, while the same worker with the bound switched off (``heap_trim_mb: 0``, the old behaviour)
+grows past it, and the bounded worker's answers equal the unbounded one's."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fixtures.deberta import make_deberta_checkpoint  # noqa: E402
+from relserve.service.backends import create_backend  # noqa: E402
+from relserve.service.backends.heap import HeapBound  # noqa: E402
+from relserve.service.backends.padding import WarmupEncoding  # noqa: E402
+from relserve.service.config import ModelConfig  # noqa: E402
+
+MIB = 1 << 20
+SLACK_MB = 16  # the bounded worker's heap_trim_mb
+BOUND_MB = 40  # growth after warm-up the bounded worker stays under; the unbounded one passes it
+WARM_BATCHES, MEASURED_BATCHES = 4, 16
+
+
+@pytest.fixture(scope="module")
+def checkpoint(unigram_tokenizer_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("memory-ckpt")
+    return make_deberta_checkpoint(root / "cls", tokenizer_dir=unigram_tokenizer_dir, labels=("a", "b", "c"),
+                                   init="spread", seed=3).path
+
+
+def _batches(seed: int) -> list[list[WarmupEncoding]]:
+    """Batches of 4-12 texts of 40-500 tokens, each batch a new [B, T] shape (as random client traffic)."""
+    rng = random.Random(seed)
+    out, seen = [], set()
+    while len(out) < WARM_BATCHES + MEASURED_BATCHES:
+        lengths = [rng.randint(40, 500) for _ in range(rng.randint(4, 12))]
+        if (len(lengths), max(lengths)) in seen:
+            continue
+        seen.add((len(lengths), max(lengths)))
+        out.append([WarmupEncoding([1] + [5 + (i * 7 + n) % 900 for i in range(n - 2)] + [2]) for n in lengths])
+    return out
+
+
+def _soak(path, heap_trim_mb: int) -> tuple[float, list]:
+    """(MiB the worker grew between the end of warm-up and the last batch, the last batch's results)."""
+    backend = create_backend(ModelConfig(name="m", path=path, device="cpu", dtype="float32", max_seq_len=512,
+                                         worker_process=True, torch_intra_op_threads=1, heap_trim_mb=heap_trim_mb))
+    try:
+        backend.load()
+        backend.warmup()
+        backend.trim_heap()  # as the server does once its models are loaded
+        batches = _batches(seed=7)
+        for batch in batches[:WARM_BATCHES]:
+            backend.run(batch)
+        start = backend.resident_bytes  # the child's RSS after its last answer
+        peak = start
+        for batch in batches[WARM_BATCHES:]:
+            results = backend.run(batch)
+            peak = max(peak, backend.resident_bytes)
+        assert not any(isinstance(r, Exception) for r in results)
+        return (peak - start) / MIB, results
+    finally:
+        backend.close()
+
+
+def test_new_shapes_leave_the_worker_within_its_bound(checkpoint):
+    bounded, bounded_results = _soak(checkpoint, SLACK_MB)
+    unbounded, unbounded_results = _soak(checkpoint, 0)
+    print(f"worker growth after warm-up: {bounded:.1f} MiB bounded, {unbounded:.1f} MiB with heap_trim_mb 0")
+    assert bounded < BOUND_MB, bounded
+    assert unbounded > BOUND_MB, f"the old behaviour no longer grows ({unbounded:.1f} MiB): the test proves nothing"
+    for a, b in zip(bounded_results, unbounded_results):  # trimming frees memory, never changes a result
+        np.testing.assert_array_equal(a, b)
+
+
+def test_heap_bound_trims_only_above_its_slack():
+    off = HeapBound(0)
+    assert not off.after_batch() and off.trims == 0
+    bound = HeapBound(1 << 20)  # 1 TiB of slack: only the first batch (no reference yet) trims
+    assert bound.after_batch() and bound.reference and bound.trims == 1
+    assert not bound.after_batch() and bound.trims == 1
+    tight = HeapBound(1)
+    tight.after_batch()
+    held = np.ones(8 * MIB, dtype=np.uint8)  # 8 MiB resident above the reference
+    assert tight.after_batch() and tight.trims == 2
+    del held
