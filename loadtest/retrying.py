@@ -5,8 +5,8 @@
 
 Each client sends a request, waits for its answer, and sends the next one. After a RESOURCE_EXHAUSTED it
 sends the *same* request again after the server's ``grpc-retry-pushback-ms`` (gRFC A6) when the reply
-carries one and ``honour_pushback`` is set, else after ``backoff_s`` (50 ms): the careful client of issue 10,
-item 5. Other errors are counted and the client moves on after ``backoff_s``.
+carries one and ``honour_pushback`` is set, else after ``backoff_s`` (50 ms): the careful client the
+overload scenarios assume. Other errors are counted and the client moves on after ``backoff_s``.
 
 Clients run in ``processes`` spawned interpreters (one grpc.aio channel each, the clients split evenly) so
 that the load generator is not one Python thread competing with itself; they start together (a barrier,

@@ -28,7 +28,7 @@ Rules (the same for every request, whatever else is in the batch):
   best k non-EOS ones stay live (fairseq's rule). A request is done once it has k finished hypotheses,
   or when it reaches its length limit (its live hypotheses then become ``truncated``). Results: the best
   ``n_best`` finished ones; if fewer than ``n_best`` finished, truncated ones fill the list; the list is
-  sorted by ``score`` and is never empty (C09).
+  sorted by ``score`` and is never empty.
 * Greedy is beam search with ``beam_size = n_best = 1``.
 
 The model must be in eval mode (dropout off). Batch invariance is exact in the selection logic; the

@@ -5,14 +5,14 @@ The one search the server runs (``relserve.service.tasks.qa``) and the QA traine
 
 Span search (per window, over the start/end logits of that window):
 
-* only context tokens may start or end a span (C04) — question and special tokens have no
+* only context tokens may start or end a span — question and special tokens have no
   ``context_offsets``; tokens whose text is only whitespace / zero-width characters are not used as a
   start or end either (they could only produce a span that trims to a neighbour's or to nothing);
-* ``start <= end`` and ``end - start + 1 <= max_answer_len`` tokens (C06). The search is exact: every
+* ``start <= end`` and ``end - start + 1 <= max_answer_len`` tokens. The search is exact: every
   pair in the band ``end - max_answer_len < start <= end`` is scored (``O(T * max_answer_len)``), then
   the best ``n_best`` pairs per window are kept;
 * a span's characters are ``context[offsets[start][0]:offsets[end][1]]`` with leading/trailing whitespace
-  and zero-width characters trimmed (C07); a span that becomes empty is dropped; identical character
+  and zero-width characters trimmed; a span that becomes empty is dropped; identical character
   spans found in several windows are merged, keeping the best score;
 * with ``align_to_words`` (the server's default, as transformers' question-answering pipeline) the span is
   then widened to whole words (:func:`token_word_span`): from the first character of the start token's word
@@ -29,7 +29,7 @@ Span search (per window, over the start/end logits of that window):
 No answer (SQuAD 2.0, Rajpurkar et al. 2018; the reference script's null score): the null score of a
 window is ``start_logit[CLS] + end_logit[CLS]`` (CLS = token 0); the request's null score is the minimum
 over windows. When ``allow_impossible`` and ``null_score - best_span_score > null_threshold``, the first
-answer is the no-answer result (``text=""``, ``start=end=0``, ``is_impossible=True``) (C05).
+answer is the no-answer result (``text=""``, ``start=end=0``, ``is_impossible=True``).
 ``null_threshold=inf`` always returns the best real span.
 
 Scores: a softmax over the candidate set — the merged spans kept from all windows plus, when
@@ -92,7 +92,7 @@ def _is_word_break(context: str, i: int) -> bool:
 
 def word_span(context: str, start: int, end: int) -> tuple[int, int]:
     """Widen a non-empty ``[start, end)`` to whole words: left to the start of the word holding ``start``,
-    right to the end of the word holding ``end - 1``, then trimmed (:func:`trim_span`, C07).
+    right to the end of the word holding ``end - 1``, then trimmed (:func:`trim_span`).
 
     The fallback of :func:`token_word_span` for windows without word ids: words as a Metaspace pre-tokenizer
     without punctuation splitting cuts them (:func:`_is_word_break`). Cost: the length of the two words.
@@ -105,7 +105,7 @@ def word_span(context: str, start: int, end: int) -> tuple[int, int]:
 
 
 def token_word_span(window: QAWindow, context: str, i: int, j: int) -> tuple[int, int] | None:
-    """``[start, end)`` of the words of tokens ``i`` (start) and ``j`` (end) of ``window``, trimmed (C07); None
+    """``[start, end)`` of the words of tokens ``i`` (start) and ``j`` (end) of ``window``, trimmed; None
     when the window carries no word ids (``context_words``).
 
     transformers' question-answering pipeline's ``align_to_words``: ``enc.word_to_chars(enc.token_to_word(i),
@@ -128,7 +128,7 @@ def token_word_span(window: QAWindow, context: str, i: int, j: int) -> tuple[int
 
 
 def trim_span(context: str, start: int, end: int) -> tuple[int, int]:
-    """Shrink ``[start, end)`` past leading/trailing whitespace and zero-width characters (C07)."""
+    """Shrink ``[start, end)`` past leading/trailing whitespace and zero-width characters."""
     while start < end and is_blank_char(context[start]):
         start += 1
     while end > start and is_blank_char(context[end - 1]):

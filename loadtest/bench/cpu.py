@@ -34,7 +34,7 @@ new defaults (``dtype: auto``, unpadded, cost-model batches), 32 closed-loop cli
 the offline ideal is the same backend (``TorchBackend``, the dtype the server reports, unpadded) on sorted batches
 of ``--batch``, tokenization included, no gRPC; today's behaviour (the issue's "fp32, padded, one batch") is the
 same server with ``dtype: float32, cost_batching: false, torch_unpadded: false, max_batch_time_ms: 0,
-worker_process: false`` (without ``max_batch_time_ms``, issue 10's 20 ms cap would still cut each formed batch
+worker_process: false`` (without ``max_batch_time_ms``, the 20 ms cap would still cut each formed batch
 into pieces; the model computed in the server's process then). ``fp32 new`` is the new defaults with ``dtype:
 float32`` (the worker process included). Padding efficiency: the server's
 ``relserve_batch_padding_efficiency`` (mean per backend call over the run) and the offline batches' real /
@@ -571,7 +571,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results["translation"] = bench_translation(args)
     results["targets"] = targets(results)
     results["machine"]["loadavg_1m_end"] = os.getloadavg()[0]
-    print(f"targets (issue 11; one run, load average {results['machine']['loadavg_1m_start']:.2f} at the start, "
+    print(f"targets (one run, load average {results['machine']['loadavg_1m_start']:.2f} at the start, "
           f"{results['machine']['loadavg_1m_end']:.2f} at the end):")
     print(f"  {'target':<72} {'measured':>8} {'need':>6}  verdict")
     for t in results["targets"]:

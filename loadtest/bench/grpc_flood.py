@@ -10,7 +10,7 @@ closed-loop clients for ``--duration`` seconds, while a prober sends a grpc.heal
 Without ``--target`` it starts ``relserve serve`` with ``--server-args`` (default: the ``sentiment`` model of
 ``defaults/``) on free loopback ports and stops it after. Printed: the server process's RSS (``/proc/<pid>/status``,
 sampled every 50 ms) before the flood, its peak during it and 2 s after it, and the growth over the start (the
-target of issue 31: within 300 MB); the refused calls by status; health Check and Classify latency p50 / p99 / max
+target: within 300 MB); the refused calls by status; health Check and Classify latency p50 / p99 / max
 and their failures. The clients run in this process, one thread and one connection each, sending the same
 serialized request bytes (no per-call encoding), so what grows is the server. Only against 127.0.0.1.
 """
@@ -29,7 +29,7 @@ from ..serverproc import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SERVER_ARGS = f"--model sentiment={REPO / 'defaults' / 'sentiment'}"
-TARGET_GROWTH_MB = 300.0  # issue 31: RSS during 12 s of refused 1M-text requests from 6 clients
+TARGET_GROWTH_MB = 300.0  # RSS during 12 s of refused 1M-text requests from 6 clients
 SAMPLE_S = 0.05
 SETTLE_S = 2.0
 CLASSIFY_INTERVAL_S = 0.1  # between the probing Classify calls

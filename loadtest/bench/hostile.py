@@ -1,4 +1,4 @@
-"""Hostile and heavy traffic: what one maximal request costs the rest of the server (issue 10, item 3).
+"""Hostile and heavy traffic: what one maximal request costs the rest of the server.
 
     python -m relserve.loadtest.bench.hostile                          # default models, default limits
     python -m relserve.loadtest.bench.hostile --model-option max_request_chars=8388608 \\
@@ -266,7 +266,7 @@ def cross_model(srv: ServerProcess, args: argparse.Namespace) -> dict[str, Any]:
 OVERLOAD_QUEUE_SIZE = 8        # max_queue_size of the overloaded server (units)
 CAPACITY_CLIENTS = 8           # closed-loop clients that saturate the sentiment model
 OVERLOAD_CLIENTS = 64          # 8x that, each retrying after every RESOURCE_EXHAUSTED
-GOODPUT_TARGET = 0.80          # goodput / capacity (issue 10)
+GOODPUT_TARGET = 0.80          # goodput / capacity
 REJECTION_P99_TARGET_S = 0.010  # at the server, arrival to status
 
 

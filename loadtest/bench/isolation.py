@@ -11,7 +11,7 @@ The options differ only in the server's ``compute_scheduling`` and the models' `
 (``service/scheduling/cores.py``, ``service/scheduling/cost_model.py``):
 
 * ``a`` — ``shared``, no cap: every model's thread computes whenever it likes, with torch's default pool
-  (one thread per core) — the behaviour before issue 10;
+  (one thread per core) — the behaviour before core sharing;
 * ``b`` — ``fair``, no cap: one backend call at a time across models, models in turn;
 * ``c`` — ``fair`` + ``max_batch_time_ms`` 20: batches split into pieces expected to take <= 20 ms, and a
   torch call that held the cores 20 ms yields between encoder sub-layers to a waiting model;

@@ -8,11 +8,11 @@ writes ``OUT_DIR/model.onnx`` and ``OUT_DIR/export_report.json`` (the command li
 The graph:
 
 * comes from the dynamo exporter (``torch.onnx.export(..., dynamo=True)``) traced on a 2 x 8-token sample
-  with dynamic ``batch`` and ``sequence`` axes; no sequence-length maths is frozen (case C01);
+  with dynamic ``batch`` and ``sequence`` axes; no sequence-length maths is frozen;
 * carries the relative-position work as ``com.relserve`` nodes (:mod:`relserve.models.onnx.ops`), each with a
   model-local FunctionProto so stock ONNX Runtime runs it with no extra library;
 * has exactly the inputs the model uses: ``input_ids``, ``attention_mask`` and, only when
-  ``type_vocab_size > 0``, ``token_type_ids`` (case C02); outputs ``logits`` (classification) or
+  ``type_vocab_size > 0``, ``token_type_ids``; outputs ``logits`` (classification) or
   ``start_logits`` / ``end_logits`` (QA);
 * passes ``onnx.checker.check_model(full_check=True)``.
 
@@ -77,7 +77,7 @@ class ExportResult:
 
 
 def graph_io_names(config: DebertaConfig, task: str) -> tuple[list[str], list[str]]:
-    """The graph's input and output names for a model: only the inputs it uses (C02)."""
+    """The graph's input and output names for a model: only the inputs it uses."""
     inputs = ["input_ids", "attention_mask"] + (["token_type_ids"] if config.type_vocab_size > 0 else [])
     outputs = ["logits"] if task == "classification" else ["start_logits", "end_logits"]
     return inputs, outputs
@@ -262,7 +262,7 @@ def _agreement(got: list[np.ndarray], want: list[np.ndarray], lengths: list[int]
 
 def parity_cases(config: DebertaConfig) -> list[list[int]]:
     """Lengths per case: single sequences of 3 and 40 tokens, past the log-bucket threshold and at 300, batches
-    of 2 and 4, and a padded batch of all lengths (C01). Capped at the model's maximum length."""
+    of 2 and 4, and a padded batch of all lengths. Capped at the model's maximum length."""
     cap = _max_length(config) or 100_000
     lengths = [3, 40]
     if config.position_buckets > 0:

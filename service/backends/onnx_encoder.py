@@ -245,7 +245,7 @@ class OnnxBackend(EncoderBackendDefaults):
     def _feeds(self, batch: Sequence[Any]) -> dict[str, np.ndarray]:
         ids, mask, types = pad_batch(batch, self._pad_id)
         all_feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
-        return {k: all_feeds[k] for k in self._inputs}  # only what the graph declares (C02)
+        return {k: all_feeds[k] for k in self._inputs}  # only what the graph declares
 
     def _run_session(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """Inputs and outputs bound as torch tensors on the session's device (IO binding; the same path on

@@ -11,7 +11,7 @@ Batch forming, every time the worker is free:
    passed (they get :class:`DeadlineExceeded` now, before compute);
 2. if ``max_queue_delay`` > 0, wait until the oldest unit has waited that long or a full batch is
    waiting; with 0 do not wait. Either way everything that arrived while the previous batch ran is
-   available at once (case C11: five requests arriving during one batch are served by one next batch);
+   available at once (five requests arriving during one batch are served by one next batch);
 3. the oldest unit anchors the batch (no starvation); the others join closest length bucket first, then
    oldest first, while ``max_batch_size`` and ``max_batch_tokens`` hold. The token budget counts padded
    tokens (batch size x longest) for padded backends and real tokens otherwise. A single unit longer

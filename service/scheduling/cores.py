@@ -4,7 +4,7 @@ Each model has its own backend thread (``scheduling.base.model_executor``). Left
 threads enter their backends at once, each with torch's default intra-op pool of one thread per core:
 on 2 cores that is two OpenMP teams spin-waiting on each other, and a light model's 2 ms batch waits
 behind whatever a 16-window QA batch of several seconds leaves it: on the 2-core machine sentiment's p99
-grew 10.5x during a QA flood (issue 10), up to 7x in ``loadtest/bench/isolation.py``. The server key
+grew 10.5x during a QA flood, up to 7x in ``loadtest/bench/isolation.py``. The server key
 ``compute_scheduling`` picks one of:
 
 * ``partition`` (default) — the models compute concurrently, each on its share of the cores: a torch
@@ -21,7 +21,7 @@ grew 10.5x during a QA flood (issue 10), up to 7x in ``loadtest/bench/isolation.
   still waits for the part of the holder's call that cannot be interrupted (one layer's attention of
   one piece: 190-310 ms for a 512-token QA window, measured on the busy 2-core machine), which is
   why it is not the default;
-* ``shared`` — no coordination, torch's default threads (before issue 10).
+* ``shared`` — no coordination, torch's default threads (the original behaviour).
 
 Each model gets a :class:`Lane` (its handle on the scheduler) with ``max_hold`` = the model's
 ``max_batch_time_ms``: the longest one of its backend calls should hold the cores. The batcher cuts a formed

@@ -91,7 +91,7 @@ def validate_classify(texts: Sequence[str], text_pairs: Sequence[str] | None, to
 
 
 def effective_max_length(tokenizer: Tokenizer, max_seq_len: int) -> int:
-    """The server's limit, lowered to the tokenizer's ``model_max_length`` when that is a real limit (C08)."""
+    """The server's limit, lowered to the tokenizer's ``model_max_length`` when that is a real limit."""
     if max_seq_len < 3:
         raise InvalidArgument(f"max_seq_len {max_seq_len} is too small; a text needs at least 3 tokens")
     if tokenizer.model_max_length is not None:
@@ -107,7 +107,7 @@ def preprocess(
 ) -> list[Encoding]:
     """Encode each text (with its pair) as ``[CLS] a [SEP] (b [SEP])``, at most ``max_seq_len`` tokens.
 
-    Over-long inputs are truncated longest-first and flagged in ``Encoding.truncated`` (C08: never a
+    Over-long inputs are truncated longest-first and flagged in ``Encoding.truncated`` (never a
     shape error, whatever ``model_max_length`` says); only a prefix of a long text is tokenized, with the
     same result (:meth:`relserve.models.tokenization.Tokenizer.batch_encode`). ``text_pairs`` empty or None
     means no pairs. The request was checked by :func:`validate_classify`.

@@ -13,7 +13,7 @@ Rules (documented in the proto):
 * At most ``max_request_texts`` texts and ``max_request_chars`` characters per request (INVALID_ARGUMENT,
   naming the key), checked before any encoding.
 * A blank text (empty, whitespace or zero-width characters only) is not sent to the model: one hypothesis
-  with text "" and score 0 (C10).
+  with text "" and score 0.
 """
 
 from __future__ import annotations
