@@ -41,6 +41,8 @@ from urllib.parse import urlsplit
 
 import grpc
 
+from relserve.client.cli import add_tls_and_token_flags
+
 from . import generator, promscrape, report, thresholds
 from .scenarios import (SCENARIOS, DataFileError, ModelNotServed, Scenario, ScenarioUnavailable, load_requests,
                         models_by_kind, parse_weights)
@@ -442,18 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--connect-timeout", type=float, default=DEFAULT_CONNECT_TIMEOUT,
                        help="seconds to connect and list the models before the run; unreachable -> exit 1 "
                             f"(default {DEFAULT_CONNECT_TIMEOUT:g})")
-        p.add_argument("--tls", action="store_true",
-                       help="connect over TLS, trusting the system's CAs (implied by --tls-ca / --tls-cert)")
-        p.add_argument("--tls-ca", metavar="PEM", help="CA certificate that signed the server's certificate (TLS)")
-        p.add_argument("--tls-cert", metavar="PEM", help="client certificate for mTLS servers (with --tls-key)")
-        p.add_argument("--tls-key", metavar="PEM", help="the client certificate's private key (with --tls-cert)")
-        p.add_argument("--tls-server-name", metavar="NAME",
-                       help="name to check the server's certificate against instead of the --target host")
-        token = p.add_mutually_exclusive_group()
-        token.add_argument("--token", help="bearer token sent as 'authorization: Bearer <token>' on every call "
-                                           "(visible in the process list: prefer --token-file)")
-        token.add_argument("--token-file", metavar="PATH",
-                           help="file holding the token (the server's auth_token_file format, one token)")
+        add_tls_and_token_flags(p, address_flag="--target")
 
     def fail_if(p: argparse.ArgumentParser) -> None:
         p.add_argument("--fail-if", action="append", default=[], type=_threshold, metavar="EXPR",

@@ -63,6 +63,24 @@ def package_version() -> str:
         return "unknown"
 
 
+def add_tls_and_token_flags(p: argparse.ArgumentParser, address_flag: str) -> None:
+    """The flags that say how to reach a server securely: ``--tls``, ``--tls-ca``, ``--tls-cert``, ``--tls-key``,
+    ``--tls-server-name`` and ``--token`` / ``--token-file`` (exclusive). ``address_flag`` names the flag that
+    holds the server's address, for the help text. Shared by ``relserve call`` and ``relserve loadtest``."""
+    p.add_argument("--tls", action="store_true",
+                   help="connect over TLS, trusting the system's CAs (implied by --tls-ca / --tls-cert)")
+    p.add_argument("--tls-ca", metavar="PEM", help="CA certificate that signed the server's certificate (TLS)")
+    p.add_argument("--tls-cert", metavar="PEM", help="client certificate for mTLS servers (with --tls-key)")
+    p.add_argument("--tls-key", metavar="PEM", help="the client certificate's private key (with --tls-cert)")
+    p.add_argument("--tls-server-name", metavar="NAME",
+                   help=f"name to check the server's certificate against instead of the {address_flag} host")
+    token = p.add_mutually_exclusive_group()
+    token.add_argument("--token", help="bearer token sent as 'authorization: Bearer <token>' on every call "
+                                       "(visible in the process list: prefer --token-file)")
+    token.add_argument("--token-file", metavar="PATH",
+                       help="file holding the token (the server's auth_token_file format, one token)")
+
+
 def build_parser(prog: str = "relserve call") -> argparse.ArgumentParser:
     """The parser: one sub-command per RPC, each with the connection flags and its method's options."""
     parser = argparse.ArgumentParser(prog=prog, description="Call a running relserve server (relserve.v1 over "
@@ -79,18 +97,7 @@ def build_parser(prog: str = "relserve call") -> argparse.ArgumentParser:
         p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
                        help=f"deadline of the call in seconds (default {DEFAULT_TIMEOUT_S:g}); a server that is not "
                             "there fails at once, not after it")
-        p.add_argument("--tls", action="store_true",
-                       help="connect over TLS, trusting the system's CAs (implied by --tls-ca / --tls-cert)")
-        p.add_argument("--tls-ca", metavar="PEM", help="CA certificate that signed the server's certificate (TLS)")
-        p.add_argument("--tls-cert", metavar="PEM", help="client certificate for mTLS servers (with --tls-key)")
-        p.add_argument("--tls-key", metavar="PEM", help="the client certificate's private key (with --tls-cert)")
-        p.add_argument("--tls-server-name", metavar="NAME",
-                       help="name to check the server's certificate against instead of the --address host")
-        token = p.add_mutually_exclusive_group()
-        token.add_argument("--token", help="bearer token sent as 'authorization: Bearer <token>' "
-                                           "(visible in the process list: prefer --token-file)")
-        token.add_argument("--token-file", metavar="PATH",
-                           help="file holding the token (the server's auth_token_file format, one token)")
+        add_tls_and_token_flags(p, address_flag="--address")
         return p
 
     command("models", _models, "list the loaded models (ListModels)")
