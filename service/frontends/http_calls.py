@@ -45,11 +45,8 @@ async def serve(core: HttpTransport, request: web.Request, *, protocol: str, nam
     is served (else ``_unknown_``: label values stay bounded by the served models). Every error is answered
     by ``error`` (the transport's 413 / 415 with their statuses), never raised to the transport.
     """
-    count = Counted(protocol=protocol)
+    count = Counted.for_url_model(core.registry, name, protocol=protocol)
     runner = core.registry.runners.get(name)
-    if runner is not None:
-        count.model = name
-        count.task = runner.task or count.task
     try:
         deadline = core.deadline(request)
         body = await core.body(request) if read_body else None

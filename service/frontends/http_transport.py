@@ -179,6 +179,18 @@ class Counted:
         self.t0 = time.monotonic()
         self._running = False
 
+    @classmethod
+    def for_url_model(cls, registry: Any, name: str, *, protocol: str) -> "Counted":
+        """An entry labelled with the model the URL names, and its task, when that model is served; else
+        ``_unknown_`` (label values stay bounded by the served models). Labelled before the body is read, so
+        a client gone mid-body is still counted on its model."""
+        count = cls(protocol=protocol)
+        served = registry.runners.get(name)
+        if served is not None:
+            count.model = name
+            count.task = served.task or count.task
+        return count
+
     def running(self) -> None:
         """The request reached its model: counted in-flight until :meth:`done`."""
         metrics.inflight(self.model, +1)

@@ -114,14 +114,9 @@ class _V2:
         """``POST /v2/models/{name}[/versions/{v}]/infer`` through :func:`.oip_codec.infer_on`;
         counted in the request metrics (model and task labels once known), as the gRPC v2 servicer's ModelInfer."""
         name, version = request.match_info["name"], request.match_info.get("version", "")
-        # labels as the gRPC v2 servicer's ModelInfer: model and task once known. Here the URL names the model
-        # before the body is read, so even a client gone mid-body is counted on it; a name that is not served
-        # stays _unknown_ (label values are bounded by the served models)
-        count = Counted(protocol=PROTOCOL)
+        # labels as the gRPC v2 servicer's ModelInfer: model and task once known (here from the URL)
+        count = Counted.for_url_model(self.registry, name, protocol=PROTOCOL)
         served = self.registry.runners.get(name)
-        if served is not None:
-            count.model = name
-            count.task = served.task or count.task
         try:
             deadline = self.core.deadline(request)
             header = request.headers.get(INFERENCE_HEADER)

@@ -7,16 +7,14 @@ limits and the ``protocol`` label of ``relserve_requests_total`` hold on every r
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
 
 import pytest
-from google.protobuf import json_format
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
+from fixtures.http_requests import Reply
+from fixtures.http_requests import http as _http
 from fixtures.deberta import make_deberta_checkpoint
 from fixtures.fake_serving import server_config
 from fixtures.server import Running
@@ -36,27 +34,10 @@ SOURCES = ["Der alte Mann ging gestern Abend mit seinem Hund spazieren.", "Ich h
 LABELS = ("a", "b", "c")
 
 
-@dataclass
-class Reply:
-    status: int
-    headers: dict
-    body: bytes
-
-    @property
-    def json(self):
-        return json.loads(self.body)
-
-
 def http(base: str, method: str, path: str, body=None, *, raw: bytes | None = None, headers: dict | None = None,
          auth: bool = True) -> Reply:
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    request = urllib.request.Request(base + path, data=data, method=method, headers={
-        "Content-Type": "application/json", **(AUTH if auth else {}), **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as r:
-            return Reply(r.status, dict(r.headers), r.read())
-    except urllib.error.HTTPError as e:
-        return Reply(e.code, dict(e.headers), e.read())
+    """fixtures.http's call, with the server's bearer token unless ``auth`` is False."""
+    return _http(base, method, path, body, raw=raw, headers={**(AUTH if auth else {}), **(headers or {})})
 
 
 def count(model: str, task: str, code: str, protocol: str) -> float:

@@ -16,13 +16,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 
 import grpc
 import pytest
 from google.protobuf import json_format
 from prometheus_client import REGISTRY
 
+from fixtures.http_requests import http
 from fixtures.fake_serving import FakeBackend, model_config, runner, server_config
 from fixtures.server import Running
 from fixtures.tls import make_pki
@@ -50,29 +50,6 @@ class GatedBackend(FakeBackend):
         if not self.gate.wait(20):
             raise TimeoutError("the test never opened the gate")
         return super().run(batch)
-
-
-@dataclass
-class Reply:
-    status: int
-    headers: dict
-    body: bytes
-
-    @property
-    def json(self):
-        return json.loads(self.body)
-
-
-def http(base: str, method: str, path: str, body=None, *, raw: bytes | None = None, headers: dict | None = None,
-         context: ssl.SSLContext | None = None) -> Reply:
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    request = urllib.request.Request(base + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=30, context=context) as r:
-            return Reply(r.status, dict(r.headers), r.read())
-    except urllib.error.HTTPError as e:
-        return Reply(e.code, dict(e.headers), e.read())
 
 
 def as_json(message) -> dict:
