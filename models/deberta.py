@@ -1,4 +1,5 @@
-"""DeBERTa-v2/v3 encoder with disentangled attention, plus classification and extractive-QA heads.
+"""DeBERTa-v2/v3 encoder with disentangled attention, plus classification, token-classification and extractive-QA
+heads.
 
 Our own implementation of He et al. 2021, "DeBERTa: Decoding-enhanced BERT with Disentangled Attention"
 (sec. 3.1, eq. 2-4) and the v2/v3 refinements (log-bucket relative positions, shared position projections,
@@ -816,3 +817,29 @@ class DebertaForQuestionAnswering(nn.Module):
         h = self.deberta(input_ids, attention_mask, token_type_ids)  # [B, T, H]
         logits = self.qa_outputs(h)  # [B, T, 2]
         return logits[..., 0].contiguous(), logits[..., 1].contiguous()
+
+
+class DebertaForTokenClassification(nn.Module):
+    """Encoder + dropout + linear ``classifier`` over every token (HF ``DebertaV2ForTokenClassification``).
+
+    Forward returns logits Float[B, T, num_labels]; positions past a row's attention mask carry meaningless values.
+    """
+
+    hf_architecture = "DebertaV2ForTokenClassification"
+    task = "token-classification"
+
+    def __init__(self, config: DebertaConfig):
+        super().__init__()
+        self.config = config
+        self.deberta = DebertaModel(config)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = self.deberta(input_ids, attention_mask, token_type_ids)  # [B, T, H]
+        return self.classifier(self.dropout(h))  # [B, T, num_labels]

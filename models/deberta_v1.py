@@ -46,6 +46,7 @@ from .deberta import (
     DebertaConfig,
     DebertaForQuestionAnswering,
     DebertaForSequenceClassification,
+    DebertaForTokenClassification,
     RelativeContext,
     TokenPacking,
 )
@@ -234,3 +235,9 @@ class DebertaV1ForQuestionAnswering(DebertaForQuestionAnswering):
     """v1 encoder + ``qa_outputs`` (HF ``DebertaForQuestionAnswering``); (start, end) logits, each [B, T]."""
 
     hf_architecture = "DebertaForQuestionAnswering"
+
+
+class DebertaV1ForTokenClassification(DebertaForTokenClassification):
+    """v1 encoder + ``classifier`` over every token (HF ``DebertaForTokenClassification``); logits [B, T, labels]."""
+
+    hf_architecture = "DebertaForTokenClassification"

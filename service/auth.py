@@ -12,6 +12,9 @@
   a token's length shows in the timing); a missing, malformed or unknown token ends the call with
   UNAUTHENTICATED before the request is decoded. The status message never repeats what was sent.
   Clients (relserve.client, the load-test CLI) check their token with the same rule (:func:`resolve_token`).
+* Both are re-read while the server runs (:mod:`.secrets_watch`: SIGHUP and file changes); the server's
+  gRPC credentials then come from :func:`grpc.dynamic_ssl_server_credentials`, and
+  :meth:`TokenAuthInterceptor.set_tokens` replaces the tokens.
 
 Reference behaviour: gRPC's own auth guide (metadata ``authorization``) and RFC 6750 §2.1 (``Bearer`` is a
 case-insensitive scheme followed by one space and the token). Imports nothing of relserve but ``errors``, so
@@ -220,6 +223,17 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         self._on_refused = on_refused
         self._log = _RefusedLog()
 
+    def set_tokens(self, tokens: Sequence[bytes]) -> None:
+        """Replace the accepted tokens (a reloaded token file, :mod:`.secrets_watch`): from the next call on, a
+        removed token is refused. One attribute swap: a check running meanwhile sees the old set or the new.
+
+        Raises:
+            ValueError: no token.
+        """
+        if not tokens:
+            raise ValueError("TokenAuthInterceptor needs at least one token")
+        self._digests = tuple(_digest(t) for t in tokens)
+
     def check(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
         """None when ``metadata`` carries an accepted token, else why not (safe to send: it quotes nothing)."""
         values = [v for k, v in (metadata or ()) if k.lower() == AUTH_METADATA_KEY]
@@ -234,7 +248,8 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             return "the 'authorization' metadata is not of the form 'Bearer <token>'"
         sent = _digest(token)
         accepted = False
-        for known in self._digests:  # every token is compared, whatever matched before
+        # every token is compared, whatever matched before; the attribute is read once (set_tokens swaps it whole)
+        for known in self._digests:
             accepted |= hmac.compare_digest(sent, known)
         return None if accepted else "the bearer token is not valid for this server"
 

@@ -11,6 +11,7 @@
                    [--keepalive-timeout S] [--keepalive-min-ping-interval S] [--[no-]keepalive-permit-without-calls]
     relserve export CHECKPOINT_DIR OUT_DIR [--opset 18] [--no-parity]   (see relserve.models.onnx.cli)
     relserve call classify|answer|translate|models|health [--address HOST:PORT] ...   (see relserve.client.cli)
+    relserve dtype-decisions [--config FILE] [--model NAME=DIR[,key=value...]]...   (default: the built-in models)
     relserve --version
 
 A mistyped ``serve`` flag is reported with ``serve``'s usage (its flags), not the top-level one.
@@ -26,10 +27,12 @@ import argparse
 import asyncio
 import importlib
 import logging
+import os
 import signal
 import sys
 from typing import Sequence
 
+from . import tracing
 from .config import ConfigError, ServerConfig, add_config_flags, config_from_args
 
 log = logging.getLogger("relserve")
@@ -70,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "printed as JSON (same as python -m relserve.client; see call --help)")
     for name, what in _TRAINERS.items():
         sub.add_parser(name, add_help=False, help=f"train {what} (see {name} --help)")
+    sub.add_parser("dtype-decisions", add_help=False,
+                   help="run dtype: auto's agreement gate for each model here and write its decision beside the "
+                        "checkpoint (dtype_decision.json), so a server on a machine of the same class skips the gate "
+                        "(see dtype-decisions --help)")
     return parser
 
 
@@ -147,8 +154,78 @@ _TRAINERS = {
 }
 
 
+def dtype_decisions(argv: Sequence[str]) -> int:
+    """``relserve dtype-decisions``: for each torch model with ``dtype: auto`` (default: the built-in models), load
+    it as the server would, run the agreement gate afresh (an empty cache, shipped decisions ignored) and add its
+    decision for this machine class to ``<checkpoint>/dtype_decision.json``
+    (:mod:`relserve.service.backends.gate_cache`). Exit codes: 0 written (or nothing to decide here), 1 a model
+    failed to load, 2 a configuration error."""
+    from .backends import gate_cache
+    from .config import load_config
+
+    ap = _SubcommandParser(prog="relserve dtype-decisions", description=dtype_decisions.__doc__.split("(:mod")[0])
+    ap.add_argument("--config", metavar="FILE", help="server config whose models are decided")
+    ap.add_argument("--model", action="append", default=[], metavar="NAME=DIR[,key=value...]",
+                    help="a model (repeatable); its keys must be those it is served with: they are part of the key")
+    args = ap.parse_args(list(argv))
+    logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        models = load_config(args.config, model_specs=args.model).models
+    except ConfigError as exc:
+        print(f"relserve dtype-decisions: configuration error: {exc}", file=sys.stderr)
+        return 2
+    gate_cache.read_shipped = False  # decide afresh, whatever is shipped already
+    try:
+        return _decide_and_ship(models)
+    finally:
+        gate_cache.read_shipped = True
+
+
+def _decide_and_ship(models: Sequence) -> int:
+    """``relserve dtype-decisions``' loop over ``models`` (its exit code)."""
+    import dataclasses
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from .backends import gate_cache
+    from .config import DEFAULTS_DIR
+    from .registry import build_runner
+
+    for model in models:
+        if model.dtype != "auto":
+            print(f"{model.name}: dtype {model.dtype} configured, no gate")
+            continue
+        with tempfile.TemporaryDirectory(prefix="relserve-dtype-") as tmp:
+            cfg = dataclasses.replace(model, onnx_cache_dir=Path(tmp), load_cache=True, worker_process=False,
+                                      instances=1, warmup=True, cost_batching=False)
+            runner = build_runner(cfg)
+            if runner.backend.name != "torch":
+                print(f"{model.name}: backend {runner.backend.name}, no dtype: auto gate")
+                continue
+            try:
+                runner.load()
+            except Exception as exc:  # noqa: BLE001 - reported; the models after it are not decided
+                print(f"relserve dtype-decisions: model {model.name!r} failed to load: {exc}", file=sys.stderr)
+                return 1
+            finally:
+                runner.backend.close()
+            entries = [p for p in gate_cache.cache_dir(cfg).glob("*.json") if not p.name.endswith(".probes.json")]
+            if not entries:
+                print(f"{model.name}: {runner.meta.dtype} without a gate here ({runner.meta.dtype_reason})")
+                continue
+            kept = json.loads(entries[0].read_text())
+            # the reason names the gate text's path: relative to the checkout, so a shipped file reads the same anywhere
+            reason = kept["reason"].replace(f"{DEFAULTS_DIR.parent}/", "")
+            target = gate_cache.ship(model.path, gate_cache.make_entry(kept["key"], kept["dtype"], reason))
+            print(f"{model.name}: {runner.meta.dtype} ({runner.meta.dtype_reason}) -> {target}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["dtype-decisions"]:
+        return dtype_decisions(argv[1:])
     if argv[:1] == ["loadtest"]:
         from relserve.loadtest.cli import main as loadtest_main  # its own flags, parsed there
 
@@ -174,18 +251,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = config_from_args(args)
+        tracing.configure(config.otlp_endpoint, os.environ)  # imports OpenTelemetry only with an endpoint
     except ConfigError as exc:
         print(f"relserve: configuration error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=tracing.LOG_FORMAT,  # the message, then the call's trace and request ids when in a call
     )
+    tracing.install_log_context(logging.getLogger().handlers)
     try:
         return asyncio.run(serve(config))
     except ConfigError as exc:
         print(f"relserve: configuration error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        tracing.shutdown()  # the spans still buffered leave before the process does
 
 
 if __name__ == "__main__":  # pragma: no cover

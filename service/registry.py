@@ -4,11 +4,14 @@
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 from .backends import checkpoint_task, create_backend, create_translation_backend
-from .backends.base import TASK_CLASSIFICATION, TASK_QA, TASK_TRANSLATION
+from .backends.base import TASK_CLASSIFICATION, TASK_QA, TASK_TOKEN_CLASSIFICATION, TASK_TRANSLATION
+from .backends.progress import log_phase
 from .config import ModelConfig
+from .config.validation import check_model_files
 from .errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable, shown
 from .runner import ModelRunner, Runner, TranslationRunner
 
@@ -46,7 +49,8 @@ class ModelRegistry:
         if not runner.ready:
             raise Unavailable(runner.not_ready_message())
         if runner.task != task:
-            rpc = {TASK_CLASSIFICATION: "Classify", TASK_QA: "Answer"}.get(runner.task or "", "Translate")
+            rpc = {TASK_CLASSIFICATION: "Classify", TASK_QA: "Answer",
+                   TASK_TOKEN_CLASSIFICATION: "ClassifyTokens"}.get(runner.task or "", "Translate")
             raise FailedPrecondition(
                 f"model {name!r} is a {runner.task} model and cannot serve {task}; use {rpc} instead"
             )
@@ -55,6 +59,24 @@ class ModelRegistry:
     @property
     def all_ready(self) -> bool:
         return bool(self.runners) and all(r.ready for r in self.runners.values())
+
+
+def check_models(models: Sequence[ModelConfig]) -> None:
+    """Every model's files before the server binds a port (:func:`relserve.service.config.validation.check_model_files`;
+    an ``onnx_path`` export against its checkpoint: :func:`relserve.service.backends.graph_cache.check_export_dir`),
+    each model's time logged as its first load phase.
+
+    Raises:
+        ConfigError: the first model whose files are missing, unreadable or invalid (naming it, the path and why).
+    """
+    for m in models:
+        t0 = time.monotonic()
+        check_model_files(m)
+        if m.onnx_path is not None:
+            from .backends.graph_cache import check_export_dir  # imports torch and onnx: only for such a model
+
+            check_export_dir(m)
+        log_phase(m.name, "config read and files checked", time.monotonic() - t0)
 
 
 def build_runner(config: ModelConfig) -> Runner:
@@ -66,5 +88,10 @@ def build_runner(config: ModelConfig) -> Runner:
         ConfigError: the config names a backend that cannot serve the model.
     """
     if checkpoint_task(config.path) == TASK_TRANSLATION:
-        return TranslationRunner(config, create_translation_backend(config))
+        backend = create_translation_backend(config)  # checks the config; loads nothing yet
+        if config.worker_process:
+            from .scheduling.decode_workers import DecodeWorkers
+
+            return TranslationRunner(config, DecodeWorkers(config, backend.name))
+        return TranslationRunner(config, backend)
     return ModelRunner(config, create_backend(config))

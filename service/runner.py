@@ -22,14 +22,17 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import metrics
+from . import metrics, tracing
 from .backends.base import TASK_QA, TASK_TRANSLATION, Backend, ModelMeta, StepBackend
+from .backends import gate_cache
+from .backends.progress import log_phase
 from .config import DEFAULT_DOC_STRIDE, ModelConfig
 from .errors import ConfigError, Unavailable
 from .scheduling.batcher import Batcher, BatchStats
 from .scheduling.cores import ComputeScheduler, Lane
 from .scheduling.cost_model import COST_TERM_UNITS, BatchCostModel, calibrate, calibration_shapes
 from .scheduling.decode_loop import DecodeLoop, LoopObserver
+from .scheduling.decode_pool import DecodePool
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +98,10 @@ class Runner:
         """
         try:
             self.state = "loading"
+            t0 = time.monotonic()
             meta = self.backend.load()
+            log_phase(self.name, "weights and tokenizer loaded", time.monotonic() - t0,
+                      f"{meta.backend}, {meta.device}, {meta.dtype}")
             self._check_loaded(meta)
             self.meta = meta
             self.state = "warming"
@@ -104,7 +110,8 @@ class Runner:
                 warmed = self.backend.warmup()
                 if isinstance(warmed, ModelMeta):  # e.g. dtype: auto decided by the agreement gate
                     self.meta = warmed
-                log.info("model %r: warm-up took %.3f s", self.name, time.monotonic() - t0)
+                log_phase(self.name, "warm-up", time.monotonic() - t0,
+                          "includes the dtype decision" if self.config.dtype == "auto" else "")
             if self.meta.dtype_reason:
                 log.info("model %r: dtype %s (%s)", self.name, self.meta.dtype, self.meta.dtype_reason)
         except BaseException:
@@ -116,6 +123,8 @@ class Runner:
         if self.meta is None:
             raise RuntimeError(f"model {self.name!r}: start() before load()")
         self.scheduler = self._make_scheduler()
+        self.scheduler.trace_attributes = {"relserve.model": self.name, "relserve.backend": self.meta.backend,
+                                           "relserve.dtype": self.meta.dtype}  # on each backend call's span
         self.scheduler.start()
         self._tokenization = concurrent.futures.ThreadPoolExecutor(
             max_workers=TOKENIZATION_THREADS, thread_name_prefix=f"relserve-tok-{self.name}")
@@ -184,6 +193,8 @@ class Runner:
         result = await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kwargs))
         seconds = time.monotonic() - t0
         metrics.observe_tokenization(self.name, seconds)
+        if tracing.ENABLED:
+            tracing.record("relserve.tokenize", t0, t0 + seconds, {"relserve.model": self.name})
         return result, seconds
 
     def _compute_lane(self) -> Lane | None:
@@ -253,7 +264,8 @@ class ModelRunner(Runner):
         """Load and warm up (:meth:`Runner.load`), then, with warm-up and ``cost_batching`` on, fit the batch
         cost model from probe batches of a few shapes
         (:func:`relserve.service.scheduling.cost_model.calibration_shapes`)
-        on the model's own device, so that the first batches are already split by a measured model. A
+        on the model's own device, so that the first batches are already split by a measured model (with
+        ``load_cache``, the timings an earlier start on this machine kept, without probing: :meth:`_calibrate`). A
         backend whose ``can_probe`` is false (test fakes) is not probed; its fit comes from live calls.
 
         Raises:
@@ -267,15 +279,44 @@ class ModelRunner(Runner):
             cap = self.backend.max_batch_size
             shapes = calibration_shapes(self.max_seq_len, min(self.config.max_batch_size, cap or 1 << 30),
                                         self.config.max_batch_tokens)
-            n = calibrate(self.backend.run, self.backend.probe_batch, shapes, self.batch_cost,
-                          is_padded=self.backend.is_padded)
+            n, kept = self._calibrate(shapes)
         except BaseException:
             self.state = "failed"
             raise
         coef = self.batch_cost.coefficients()
-        log.info("model %r: batch cost model from %d warm-up probes in %.2f s: %s", self.name, n,
-                 time.monotonic() - t0, "no fit" if coef is None else ", ".join(
-                     f"{term} {value:.3g}" for term, value in zip(COST_TERM_UNITS, coef)))
+        log_phase(self.name, f"batch cost model from {n} {'kept' if kept else 'warm-up'} probes",
+                  time.monotonic() - t0,
+                  "no fit" if coef is None else ", ".join(
+                      f"{term} {value:.3g}" for term, value in zip(COST_TERM_UNITS, coef)))
+
+    def _calibrate(self, shapes: list[list[int]]) -> tuple[int, bool]:
+        """Fit the batch cost model from probes of ``shapes``: the timings kept by an earlier start on this
+        machine (:func:`relserve.service.backends.gate_cache.lookup_probes`, with ``load_cache``), else measured
+        now and kept. Returns (probes observed, whether they were kept ones)."""
+        key = None
+        if self.config.load_cache and self.meta is not None:
+            try:
+                key = gate_cache.probe_key(self.config, self.meta, shapes)
+            except OSError as exc:  # a checkpoint file changed under the load: measure, keep nothing
+                log.warning("model %r: probe timings not kept (%s)", self.name, exc)
+        kept = gate_cache.lookup_probes(self.config, key) if key is not None else None
+        if kept:
+            for lengths, seconds in kept:
+                self.batch_cost.observe(lengths, seconds, is_padded=self.backend.is_padded, warmup=True)
+            return len(kept), True
+        probes: list[tuple[list[int], float]] = []
+        model = self.batch_cost
+
+        class Recording:  # what calibrate() observes, kept for the next start
+            def observe(self, lengths, seconds, **kw):
+                probes.append((list(lengths), seconds))
+                model.observe(lengths, seconds, **kw)
+
+        n = calibrate(self.backend.run, self.backend.probe_batch, shapes, Recording(),  # type: ignore[arg-type]
+                      is_padded=self.backend.is_padded)
+        if key is not None and probes:
+            gate_cache.store_probes(self.config, key, probes)
+        return n, False
 
     @property
     def batcher(self) -> Batcher | None:
@@ -345,8 +386,10 @@ class _Observer(LoopObserver):
 
 
 class TranslationRunner(Runner):
-    """One translation model behind the decode loop (iteration-level batching); requests go through
-    :mod:`relserve.service.tasks.translate`."""
+    """One translation model behind the decode loop (iteration-level batching), in this process, or, with
+    ``worker_process`` (a :class:`relserve.service.scheduling.decode_workers.DecodeWorkers` backend), in
+    decode worker processes behind a :class:`relserve.service.scheduling.decode_pool.DecodePool`; requests go
+    through :mod:`relserve.service.tasks.translate`."""
 
     def __init__(self, config: ModelConfig, backend: StepBackend) -> None:
         super().__init__(config, backend)
@@ -365,8 +408,12 @@ class TranslationRunner(Runner):
                 f"max_source_tokens {self.config.max_source_tokens}"
             )
 
-    def _make_scheduler(self) -> DecodeLoop:
+    def _make_scheduler(self) -> DecodeLoop | DecodePool:
         c = self.config
+        if getattr(self.backend, "decode_workers", False):  # worker_process: the loops run in its processes
+            return DecodePool(self.name, self.backend, max_active_hypotheses=c.max_active_hypotheses,
+                              max_batch_size=c.max_batch_size, max_queue_size=c.max_queue_size,
+                              observer=_Observer(self.name, self.backend.name))
         return DecodeLoop(
             self.name, self.backend, scheduling=c.scheduling, max_active_hypotheses=c.max_active_hypotheses,
             max_batch_size=c.max_batch_size, max_batch_tokens=c.max_batch_tokens, max_queue_delay=c.max_queue_delay,

@@ -29,12 +29,13 @@ import asyncio
 import functools
 import logging
 import sys
+import time
 from typing import Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from . import auth, metrics
+from . import auth, metrics, secrets_watch
 from . import reflection  # v1alpha (grpcio-reflection) and v1 (delegating to it)
 from .frontends import kserve_v2_grpc
 from .frontends.grpc_v1 import SERVICE_NAME, InferenceServicer, add_to_server
@@ -44,7 +45,8 @@ from .scheduling.cores import ComputeScheduler, partition
 from .config import ServerConfig
 from .drain import InflightCalls
 from .health import HealthServicer
-from .registry import ModelRegistry, build_runner
+from .backends.progress import log_phase
+from .registry import ModelRegistry, build_runner, check_models
 from .runner import Runner
 
 log = logging.getLogger(__name__)
@@ -162,6 +164,7 @@ class InferenceServer:
         self.guard: CallGuard | None = None  # the gRPC port's call cap and request-read deadline (start())
         self._inflight = InflightCalls((f"/{SERVICE_NAME}/", kserve_v2_grpc.INFER_METHOD))  # what a drain waits for
         self._runners_closed = False
+        self.secrets: secrets_watch.SecretsWatch | None = None  # the TLS and token files' reloads (start())
         # one per process: how the models' backend calls share the cores (compute_scheduling)
         self.compute = ComputeScheduler(config.compute_scheduling)
 
@@ -174,11 +177,21 @@ class InferenceServer:
 
         Raises:
             RuntimeError: the gRPC, health-only or metrics port could not be bound.
-            ConfigError: a TLS or token file is unreadable or wrong (checked before anything is bound).
+            ConfigError: a TLS or token file is unreadable or wrong, or a model's directory, config.json, weights,
+                tokenizer or ``onnx_path`` export is missing, unreadable or invalid (checked before anything is
+                bound; ``relserve serve`` exits 2).
         """
         cfg = self.config
-        credentials = (auth.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
-                       if cfg.tls_cert is not None and cfg.tls_key is not None else None)
+        if self._given_runners is None:  # every model's files before any port is bound: a typo costs no bind
+            check_models(cfg.models)
+        # TLS files re-read while serving (secrets_watch): gRPC's credentials fetch the current certificate
+        # at each handshake, the HTTP listener's context switches per connection
+        self.tls = None
+        if cfg.tls_cert is not None and cfg.tls_key is not None:
+            from .frontends.http_transport import ssl_context
+            self.tls = secrets_watch.TlsReloader(
+                secrets_watch.load_tls(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca), ssl_context)
+        credentials = self.tls.credentials() if self.tls is not None else None
         interceptors = []
         if cfg.auth_token_file is not None:
             # health (and KServe v2's ServerLive/ServerReady/ModelReady) stays open unless auth_health:
@@ -250,13 +263,13 @@ class InferenceServer:
             # on this event loop, with the tokens, TLS files, message limits and the drain's call count
             # each HTTP surface adds its routes to the one listener
             from .frontends import hf_inference, http_v1, http_v2, kserve_v1, tei
-            from .frontends.http_transport import HttpTransport, ssl_context
+            from .frontends.http_transport import HttpTransport
             self._http = HttpTransport(self.registry, self._inflight, max_body=cfg.max_receive_message_length,
                                        max_reply=cfg.max_send_message_length, tokens=token_check,
                                        auth_health=cfg.auth_health,
                                        surfaces=(http_v2, http_v1, kserve_v1, hf_inference, tei),
                                        limits=ListenerLimits.from_config(cfg))
-            tls = ssl_context(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if credentials else None
+            tls = self.tls.ssl_context() if self.tls is not None else None
             self.http_port = await self._http.start(cfg.http_host or cfg.host, cfg.http_port, tls)
             log.info("HTTP/JSON API (%s) on %s:%d", "https" if tls else "http", cfg.http_host or cfg.host,
                      self.http_port)
@@ -269,6 +282,12 @@ class InferenceServer:
             await self._health_server.start()
             log.info("health-only listener (plaintext, grpc.health.v1 only) on %s:%d",
                      cfg.health_host or cfg.host, self.health_port)
+        secrets = [secrets_watch.tls_secret(self.tls)] if self.tls is not None else []
+        if token_check is not None:
+            secrets.append(secrets_watch.token_secret("auth_token_file", cfg.auth_token_file, token_check.set_tokens))
+        if secrets:  # re-read on SIGHUP and when a file changes
+            self.secrets = secrets_watch.SecretsWatch(secrets)
+            await self.secrets.start()
         # once everything is bound: a start that fails leaves the interpreter as it was
         SWITCH_INTERVALS.enter(self, cfg.gil_switch_interval_us)
         log.info("GIL switch interval %g us", sys.getswitchinterval() * 1e6)
@@ -283,13 +302,15 @@ class InferenceServer:
         assert self.registry is not None and self.health is not None
         for runner in self.registry.runners.values():
             log.info("model %r: loading from %s", runner.name, runner.config.path)
+            t0 = time.monotonic()
             await asyncio.to_thread(runner.load)
             await runner.start()
             self._model_health(runner.name, runner.ready)  # and again whenever its worker is replaced
             runner.readiness_listeners.append(functools.partial(self._model_health, runner.name))
             info = runner.info()
-            log.info("model %r: ready (%s, %s, %s on %s, max_seq_len %d, max_batch_size %d)", info.name,
-                     info.task, info.family, info.dtype, info.device, info.max_seq_len, info.max_batch_size)
+            log_phase(info.name, "ready", time.monotonic() - t0,
+                      f"{info.task}, {info.family}, {info.dtype} on {info.device}, max_seq_len {info.max_seq_len}, "
+                      f"max_batch_size {info.max_batch_size}")
         await asyncio.to_thread(self._trim_heaps)
         if self.registry.draining:
             return
@@ -367,6 +388,9 @@ class InferenceServer:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
         await self.drain(grace)
+        if self.secrets is not None:
+            await self.secrets.stop()
+            self.secrets = None
         if self.server is not None:
             await self.server.stop(max(0.0, deadline - loop.time()))
         if self._health_server is not None:  # after the main port: probes see NOT_SERVING while draining

@@ -17,9 +17,12 @@ Both load with ``transformers.AutoTokenizer.from_pretrained(dir)`` (tokenizer_cl
 
 from __future__ import annotations
 
+import atexit
 import io
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,11 @@ import pytest
 # The suite's numbers must not depend on the CI machine's CPU: with AVX512-BF16 / AMX, ``dtype: auto`` would run
 # the bf16 gate at every server start and serve bf16 where it passes. Tests of ``auto`` set the override themselves.
 os.environ.setdefault("RELSERVE_CPU_BF16", "off")
+# What a server keeps between starts (ONNX graphs, dtype decisions, probe timings: <XDG_CACHE_HOME>/relserve/onnx)
+# lives for one session, shared by its servers (child processes inherit it), never read from an earlier session.
+_SESSION_CACHE = tempfile.mkdtemp(prefix="relserve-test-cache-")
+os.environ["XDG_CACHE_HOME"] = _SESSION_CACHE
+atexit.register(shutil.rmtree, _SESSION_CACHE, True)
 
 from fixtures.data import SHARED_DATA
 from fixtures.data import read_jsonl as _jsonl

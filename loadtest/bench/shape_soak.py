@@ -4,6 +4,7 @@ default models (a child process on a free loopback port).
 
     python -m relserve.loadtest.bench.shape_soak                          # 10,000 requests, the default server
     python -m relserve.loadtest.bench.shape_soak --requests 2000 --compare   # heap_trim_mb 0 (before), then default
+    python -m relserve.loadtest.bench.shape_soak --requests 150 --warm 50 --backend onnx   # sentiment alone on ORT
 
 Prints the resident memory of the server process and of each worker process after the first ``--warm`` requests
 and at the end, the largest total seen (sampled every ``--sample-s`` during the soak), and the throughput
@@ -150,13 +151,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=512, help="tokens per text: 1..this (default 512)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sample-s", type=float, default=0.25, help="seconds between RSS samples (the peak)")
+    ap.add_argument("--backend", choices=("torch", "onnx"),
+                    help="serve only sentiment, on this backend (default: the default server, every default model)")
     ap.add_argument("--compare", action="store_true",
                     help="first a server with heap_trim_mb 0 on every model (before the bound), then the default")
     harness.add_common_args(ap, json="file")
     args = ap.parse_args(argv)
     reqs = requests(args.requests, args.seed, args.max_texts, args.max_tokens)
     variants = [("default", [])]
-    if args.compare:
+    if args.backend:
+        variants = [(f"sentiment {args.backend}",
+                     ["--model", f"sentiment={REPO / 'defaults' / 'sentiment'},backend={args.backend}"])]
+    if args.compare and args.backend:
+        variants.insert(0, ("heap_trim_mb=0", [*variants[0][1][:-1], variants[0][1][-1] + ",heap_trim_mb=0"]))
+    elif args.compare:
         # the default models as a model directory, so one option reaches them all
         variants.insert(0, ("heap_trim_mb=0", ["--model-dir", str(REPO / "defaults"), "--model-options",
                                                "heap_trim_mb=0"]))

@@ -174,6 +174,7 @@ async def _saturate(port: int, sentences: list[str], clients: int, duration: flo
     out_tokens = 0
     latencies: list[float] = []
     errors: dict[str, int] = {}
+    details: dict[str, str] = {}
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = pb_grpc.InferenceStub(channel)
         await stub.ListModels(pb.ListModelsRequest())
@@ -191,6 +192,7 @@ async def _saturate(port: int, sentences: list[str], clients: int, duration: flo
                         timeout=timeout)
                 except grpc.aio.AioRpcError as exc:
                     errors[exc.code().name] = errors.get(exc.code().name, 0) + 1
+                    details.setdefault(exc.code().name, exc.details())  # the first of each code, to say why
                     continue
                 now = time.monotonic()
                 replies += 1
@@ -200,7 +202,8 @@ async def _saturate(port: int, sentences: list[str], clients: int, duration: flo
                     latencies.append(now - start)
 
         await asyncio.gather(*(caller(c) for c in range(clients)))
-    return {"clients": clients, "completed": done, "replies": replies, "errors": errors, "seconds": duration,
+    return {"clients": clients, "completed": done, "replies": replies, "errors": errors, "error_details": details,
+            "seconds": duration,
             "output_tokens": out_tokens, "latencies": latencies}
 
 

@@ -1,4 +1,5 @@
-"""ONNX export of DeBERTa-style classification and QA checkpoints, with a parity report against torch.
+"""ONNX export of DeBERTa-style classification, token-classification and QA checkpoints, with a parity report
+against torch.
 
     relserve export CHECKPOINT_DIR OUT_DIR [--opset 18] [--no-parity]
 
@@ -12,8 +13,8 @@ The graph:
 * carries the relative-position work as ``com.relserve`` nodes (:mod:`relserve.models.onnx.ops`), each with a
   model-local FunctionProto so stock ONNX Runtime runs it with no extra library;
 * has exactly the inputs the model uses: ``input_ids``, ``attention_mask`` and, only when
-  ``type_vocab_size > 0``, ``token_type_ids``; outputs ``logits`` (classification) or
-  ``start_logits`` / ``end_logits`` (QA);
+  ``type_vocab_size > 0``, ``token_type_ids``; outputs ``logits`` (classification ``[batch, labels]``,
+  token classification ``[batch, sequence, labels]``) or ``start_logits`` / ``end_logits`` (QA);
 * passes ``onnx.checker.check_model(full_check=True)``.
 
 The parity report runs the graph on ONNX Runtime (CPU) and the torch model on the same inputs: batches of
@@ -76,10 +77,13 @@ class ExportResult:
     report: dict[str, Any]
 
 
+_LOGITS_TASKS = ("classification", "token-classification")  # one "logits" output; QA has two
+
+
 def graph_io_names(config: DebertaConfig, task: str) -> tuple[list[str], list[str]]:
     """The graph's input and output names for a model: only the inputs it uses."""
     inputs = ["input_ids", "attention_mask"] + (["token_type_ids"] if config.type_vocab_size > 0 else [])
-    outputs = ["logits"] if task == "classification" else ["start_logits", "end_logits"]
+    outputs = ["logits"] if task in _LOGITS_TASKS else ["start_logits", "end_logits"]
     return inputs, outputs
 
 
@@ -247,7 +251,7 @@ def _torch_outputs(model: nn.Module, feeds: dict[str, np.ndarray], task: str) ->
     p = next(model.parameters())
     with torch.inference_mode():
         out = model(*(torch.from_numpy(feeds[k]).to(p.device) for k in feeds))
-    outs = [out] if task == "classification" else list(out)
+    outs = [out] if task in _LOGITS_TASKS else list(out)
     return [o.float().cpu().numpy() for o in outs]
 
 

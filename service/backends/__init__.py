@@ -104,7 +104,9 @@ def create_backend(config: ModelConfig) -> Backend:
 
 
 def create_translation_backend(config: ModelConfig) -> StepBackend:
-    """The translation (step) backend named by the model's config (imports its module only here).
+    """The translation (step) backend named by the model's config (imports its module only here). With
+    ``worker_process`` true the runtime runs it in decode worker processes
+    (``relserve.service.scheduling.decode_workers``), each of which builds it with this function.
 
     Raises:
         ConfigError: unknown backend, backend onnx without ONNX Runtime installed, or dtype int8 (encoder models
@@ -117,11 +119,8 @@ def create_translation_backend(config: ModelConfig) -> StepBackend:
                           f"agreement gate are implemented for the encoder graphs only); use dtype float32 or auto")
     if config.instances > 1:
         raise ConfigError(f"model {config.name!r}: instances {config.instances} is for encoder models "
-                          f"(classification, QA); a translation model runs one decode loop in-process, whose "
-                          f"iteration-level batching already keeps the cores on one growing batch; use instances: 1")
-    if config.worker_process:  # spelled out true; unset means in-process here
-        raise ConfigError(f"model {config.name!r}: worker_process is for encoder models (classification, QA); a "
-                          f"translation model's decode loop calls its backend once per decoder step, in-process")
+                          f"(classification, QA); a translation model's decode loops are decode_instances (with "
+                          f"worker_process: true); use instances: 1")
     backend = resolved_backend(config)
     if backend == "onnx":
         require_onnx(f"model {config.name!r}: backend onnx")

@@ -2,13 +2,15 @@
 loop, API) is the same for every backend. No torch here: schedulers and backends both import this module,
 so nothing imports up from a scheduler.
 
-Encoder models (classification, QA) follow :class:`Backend`: ``load()`` reads the checkpoint and returns
-:class:`ModelMeta`, ``warmup()`` runs a throw-away batch and returns None, or a :class:`ModelMeta` that
-replaces the one ``load()`` gave (``dtype: auto`` is decided after warm-up, by the agreement gate),
-``run(batch, budget)`` computes one batch and returns one result *or one Exception* per item, in order. Items are
+Encoder models (classification, QA, token classification) follow :class:`Backend`: ``load()`` reads the
+checkpoint and returns :class:`ModelMeta`, ``warmup()`` runs a throw-away batch and returns None, or a
+:class:`ModelMeta` that replaces the one ``load()`` gave (``dtype: auto`` is decided after warm-up, by the
+agreement gate), ``run(batch, budget)`` computes one batch and returns one result *or one Exception* per item, in
+order. Items are
 tokenizer Encodings / QA windows (anything with ``input_ids`` and ``token_type_ids``). Results are numpy
 arrays per item: classification ``float32[num_labels]`` logits; QA a pair ``(start float32[T_i], end
-float32[T_i])`` unpadded to the item's own length ``T_i``.
+float32[T_i])`` unpadded to the item's own length ``T_i``; token classification ``float32[T_i, num_labels]``
+logits per token, unpadded likewise.
 
 Translation models follow :class:`StepBackend` (the same ``load`` / ``warmup`` / ``memory_stats`` /
 ``close``, then ``start`` / ``step`` / ``release`` over :class:`StartItem`, :class:`StepPlan` and
@@ -37,6 +39,7 @@ from relserve.models.decode_types import DecodeOptions, Hypothesis
 
 TASK_CLASSIFICATION = "classification"
 TASK_QA = "question-answering"
+TASK_TOKEN_CLASSIFICATION = "token-classification"
 TASK_TRANSLATION = "translation"
 
 
@@ -44,13 +47,13 @@ TASK_TRANSLATION = "translation"
 class ModelMeta:
     """What the server needs to know about a loaded model (ListModels, validation, metrics)."""
 
-    task: str                       # TASK_CLASSIFICATION | TASK_QA | TASK_TRANSLATION
+    task: str                       # TASK_CLASSIFICATION | TASK_QA | TASK_TOKEN_CLASSIFICATION | TASK_TRANSLATION
     family: str                     # e.g. "deberta-v2", "rnnsearch-bigru"
     backend: str                    # e.g. "torch", "onnxruntime"
     device: str                     # e.g. "cpu", "cuda:0", "CUDAExecutionProvider:0"
     dtype: str                      # "float32" | "float16" | "bfloat16" (what runs; never "auto")
     tokenizer: Any                  # relserve.models.tokenization.Tokenizer / TranslationTokenizer (or a fake)
-    labels: tuple[str, ...] = ()    # classification labels in id order
+    labels: tuple[str, ...] = ()    # (token) classification labels in id order
     problem_type: str | None = None  # with the label count, the scores' default (models.label_scores.default_function)
     max_positions: int | None = None  # the model's own limit (max_position_embeddings), None if unbounded
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. translation: eos_token_id; ONNX: graph

@@ -1,7 +1,9 @@
 """The ONNX graph cache of a served model, used by both ONNX backends: find its graphs, check where they
 came from, export (or re-export) them when there are none or they are broken.
 
-Where, in order: the checkpoint directory, its ``onnx/`` folder (what ``relserve export CKPT CKPT/onnx``
+Where, in order: ``onnx_path`` when set (an OUT_DIR of ``relserve export``, served as it is: never
+exported again, refused before any port is bound when its report names another checkpoint hash:
+:func:`check_export_dir`), the checkpoint directory, its ``onnx/`` folder (what ``relserve export CKPT CKPT/onnx``
 writes), else ``<onnx_cache_dir>/<checkpoint sha256>/``, exported there on first load; graphs derived from
 those (the int8 graph of ``dtype: int8``) only in ``<onnx_cache_dir>/<checkpoint sha256>-<variant>/`` (written to a
 temporary directory and renamed, so a crashed export never leaves half a graph in the cache; no entry file
@@ -40,6 +42,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
@@ -49,6 +52,7 @@ from relserve.models.onnx.runtime import EXPORT_VERSION, METADATA_CHECKPOINT, RE
 from ..config import ModelConfig
 from ..errors import ConfigError
 from . import file_trust
+from .progress import log_phase
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -247,6 +251,8 @@ def load_graphs(config: ModelConfig, names: Sequence[str], export: Callable[[Pat
     """
     path = Path(config.path)
     digest = checkpoint_hash(path, EXPORT_VERSION)
+    if config.onnx_path is not None and variant is None:
+        return _load_export_dir(config, names, open_and_check, digest)
     for d in (path, path / "onnx") if variant is None else ():
         if os.path.lexists(d / names[0]) and not (d / names[0]).is_file():
             raise GraphMismatch(f"model {config.name!r}: {d / names[0]} is not a readable file (a directory or a "
@@ -277,6 +283,75 @@ def load_graphs(config: ModelConfig, names: Sequence[str], export: Callable[[Pat
         raise
 
 
+def _export_report(config: ModelConfig, d: Path) -> dict[str, Any]:
+    """The ``export_report.json`` of ``onnx_path`` ``d``.
+
+    Raises:
+        ConfigError: ``d`` is not a directory, or has no readable report that records the checkpoint hash and the
+            sha256 of its graph files.
+    """
+    where = f"model {config.name!r}: onnx_path {str(d)!r}"
+    if not d.is_dir():
+        raise ConfigError(f"{where} is not a directory; give the OUT_DIR of `relserve export {config.path} OUT_DIR`")
+    try:
+        report = _parse_report((d / REPORT_NAME).read_bytes())
+    except OSError as exc:
+        raise ConfigError(f"{where} has no readable {REPORT_NAME} ({exc.strerror or exc}); it must be an OUT_DIR of "
+                          f"`relserve export {config.path} OUT_DIR`") from None
+    if report is None or not report.get("checkpoint_sha256") or not isinstance(report.get(REPORT_DIGESTS), dict):
+        raise ConfigError(f"{where}: {d / REPORT_NAME} records no checkpoint_sha256 or no {REPORT_DIGESTS}; "
+                          f"re-export with `relserve export {config.path} {d}`")
+    return report
+
+
+def check_export_dir(config: ModelConfig) -> None:
+    """Before any port is bound: ``onnx_path`` is an export of exactly the checkpoint at ``path`` (the checkpoint
+    hash its report records), with every graph file the report lists. The graphs' bytes are verified at load.
+
+    Raises:
+        ConfigError: naming the model, both directories and both hashes (or the missing file), and the fix.
+    """
+    d, path = Path(config.onnx_path), Path(config.path)
+    report = _export_report(config, d)
+    digest = checkpoint_hash(path, EXPORT_VERSION)
+    recorded = report["checkpoint_sha256"]
+    if recorded != digest:
+        raise ConfigError(
+            f"model {config.name!r}: onnx_path {str(d)!r} was exported from another checkpoint: its {REPORT_NAME} "
+            f"records checkpoint sha256 {recorded}, but the checkpoint at {str(path)!r} has sha256 {digest} (other "
+            f"weights or config, or an older export format); export this checkpoint with `relserve export {path} "
+            f"{d}`, or point path at the checkpoint the graphs came from")
+    missing = [n for n in report[REPORT_DIGESTS] if not (d / n).is_file()]
+    if missing:
+        raise ConfigError(f"model {config.name!r}: onnx_path {str(d)!r} lacks {', '.join(missing)}, which its "
+                          f"{REPORT_NAME} lists; re-export with `relserve export {path} {d}`")
+
+
+def _load_export_dir(config: ModelConfig, names: Sequence[str],
+                     open_and_check: Callable[[Path, str, Mapping[str, bytes]], T], digest: str) -> tuple[T, Path]:
+    """:func:`load_graphs` from ``onnx_path``: the export is the user's, served as it is and never rewritten;
+    nothing is exported into the cache. Its report must record the checkpoint hash and the graphs' sha256."""
+    t0 = time.monotonic()
+    d, path = Path(config.onnx_path), Path(config.path)
+    advice = f"re-export with `relserve export {path} {d}`"
+    report = _export_report(config, d)
+    missing = [n for n in names if not (d / n).is_file()]
+    if missing:
+        raise GraphMismatch(f"model {config.name!r}: onnx_path {d} has no {', '.join(missing)} (a "
+                            f"{'translation' if len(names) > 1 else 'classification / QA'} model's graphs); {advice}")
+    if report["checkpoint_sha256"] != digest:  # changed since the pre-bind check
+        raise GraphMismatch(f"model {config.name!r}: onnx_path {d} records checkpoint sha256 "
+                            f"{report['checkpoint_sha256']}, the checkpoint at {path} has {digest}; {advice}")
+    try:
+        trusted = file_trust.trusted_owners(os.stat(path).st_uid, os.stat(d).st_uid)
+        graphs = _read_verified(config, d, names, digest, trusted)
+    except GraphMismatch as exc:
+        raise GraphMismatch(f"{exc}; {advice}") from exc
+    result = _open(config, d, lambda: open_and_check(d, digest, graphs), advice)
+    log_phase(config.name, "ONNX graphs verified and opened", time.monotonic() - t0, f"relserve export in {d}")
+    return result, d
+
+
 def _load_cached(config: ModelConfig, names: Sequence[str], export: Callable[[Path], None],
                  open_and_check: Callable[[Path, str, Mapping[str, bytes]], T], root: Path, cache: Path,
                  digest: str, variant: str | None) -> tuple[T, Path]:
@@ -297,8 +372,11 @@ def _load_cached(config: ModelConfig, names: Sequence[str], export: Callable[[Pa
                 shutil.rmtree(cache, ignore_errors=True)
             if variant is None:  # a variant's build logs what it does (e.g. "quantizing ... to int8")
                 log.info("model %r: no ONNX graphs yet; exporting %s to %s", config.name, path, cache)
+            t0 = time.monotonic()
             try:
                 _export_into(cache, export)
+                log_phase(config.name, "ONNX export" if variant is None else f"ONNX {variant} graph built",
+                          time.monotonic() - t0, str(cache))
             except Exception as exc:  # exporters wrap the OSError of a full or read-only disk in their own
                 disk = _disk_error(config, cache, exc)
                 if disk is not None:
@@ -319,8 +397,10 @@ def _load_cached(config: ModelConfig, names: Sequence[str], export: Callable[[Pa
                 advice = f"{fresh}; serve the model with backend=torch"
                 parity_advice = (f"{fresh}; raise onnx_parity_tolerance (atol) / onnx_parity_rtol if this "
                                  f"difference is acceptable, or serve the model with backend=torch")
+            t0 = time.monotonic()
             result = _open(config, cache, lambda: open_and_check(cache, digest, graphs), advice, parity_advice)
-            log.info("model %r: using the cached graphs in %s", config.name, cache)
+            log_phase(config.name, "ONNX graphs verified and opened", time.monotonic() - t0,
+                      f"{'exported now' if exported_now else 'cached'} in {cache}")
             return result, cache
         except GraphMismatch as exc:
             if attempt == 2 or exported_now:

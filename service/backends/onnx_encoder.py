@@ -42,7 +42,8 @@ from relserve.models.onnx.tolerance import Agreement
 from ..config import ModelConfig
 from ..errors import ConfigError
 from . import precision
-from .base import TASK_CLASSIFICATION, TASK_QA, UNBUDGETED, CallBudget, EncoderBackendDefaults, ModelMeta
+from .base import (TASK_CLASSIFICATION, TASK_QA, TASK_TOKEN_CLASSIFICATION, UNBUDGETED, CallBudget,
+                   EncoderBackendDefaults, ModelMeta)
 from .graph_cache import GraphMismatch, ParityMismatch, check_graph_origin, load_graphs
 from .onnx_session import ONNX_DTYPE_REASON, open_with_native_fallback, provider_device, select_providers
 from .padding import WarmupEncoding, pad_batch, probe_encodings
@@ -80,12 +81,12 @@ class OnnxBackend(EncoderBackendDefaults):
         providers = select_providers(self.config)
         loaded = load_checkpoint(self.config.path, device="cpu", spm_normalization=self.config.spm_normalization)
         cfg, tok = loaded.config, loaded.tokenizer
-        if loaded.task not in (TASK_CLASSIFICATION, TASK_QA):
+        if loaded.task not in (TASK_CLASSIFICATION, TASK_QA, TASK_TOKEN_CLASSIFICATION):
             raise ConfigError(f"model {name!r}: task {loaded.task!r} is not served")
         self._pad_id = int(getattr(tok, "pad_token_id", 0) or 0)
         self._vocab_size = int(cfg.vocab_size)
         labels: tuple[str, ...] = ()
-        if loaded.task == TASK_CLASSIFICATION:
+        if loaded.task != TASK_QA:  # sequence and token classification: labels in id order
             labels = tuple(str(cfg.id2label.get(i, f"LABEL_{i}")) for i in range(cfg.num_labels))
         limits = [x for x in (getattr(tok, "model_max_length", None), cfg.max_position_embeddings) if x]
         max_positions = int(min(limits)) if limits else None
@@ -208,6 +209,9 @@ class OnnxBackend(EncoderBackendDefaults):
         if self.meta.task == TASK_CLASSIFICATION:
             logits = out.float().numpy()
             return [logits[i].copy() for i in range(len(batch))]
+        if self.meta.task == TASK_TOKEN_CLASSIFICATION:
+            per_token = out.float().numpy()  # [B, T, num_labels]
+            return [per_token[i, :len(it.input_ids)].copy() for i, it in enumerate(batch)]
         start, end = (o.float().numpy() for o in out)
         return [(start[i, :len(it.input_ids)].copy(), end[i, :len(it.input_ids)].copy()) for i, it in enumerate(batch)]
 
@@ -252,7 +256,8 @@ class OnnxBackend(EncoderBackendDefaults):
         CPU and CUDA, so the CPU tests exercise it)."""
         dev = torch.device(self.device)
         B, T = feeds["input_ids"].shape
-        width = (len(self.meta.labels),) if self.meta.task == TASK_CLASSIFICATION else (T,)
+        width = {TASK_CLASSIFICATION: (len(self.meta.labels),),
+                 TASK_TOKEN_CLASSIFICATION: (T, len(self.meta.labels))}.get(self.meta.task, (T,))
         outs = {k: torch.empty((B,) + width, dtype=torch.float32, device=dev) for k in self._outputs}
         run_bound(self.session, {k: torch.from_numpy(v).to(dev) for k, v in feeds.items()}, outs)
         return [o.cpu().numpy() for o in outs.values()]
@@ -269,6 +274,8 @@ class OnnxBackend(EncoderBackendDefaults):
             start, end = (np.asarray(o, dtype=np.float32) for o in outs)
             return [(start[i, :n].copy(), end[i, :n].copy()) for i, n in enumerate(lengths)]
         logits = np.asarray(outs[0], dtype=np.float32)
+        if self.meta.task == TASK_TOKEN_CLASSIFICATION:  # [B, T, num_labels] -> each item's own tokens
+            return [logits[i, :n].copy() for i, n in enumerate(lengths)]
         return [logits[i].copy() for i in range(len(batch))]
 
     def memory_stats(self) -> dict[str, tuple[int, int, int]]:

@@ -12,8 +12,9 @@ decides, after warm-up, whether bfloat16 serves it.
 
 The gate text (:func:`gate_items`) is real text, not the synthetic warm-up: ``calibration.jsonl`` in the
 checkpoint directory when present (one JSON object per line, the load-test fields: classification ``text`` and
-optionally ``text_pair``; QA ``question`` and ``context``; translation ``source``), else the committed load-test
-text of the task (``loadtest/data``: ``sentiment_dev.jsonl``, ``qa_dev.jsonl``, ``de_en_dev.jsonl``). QA rows
+optionally ``text_pair``; token classification ``text``, its agreement counted per token; QA ``question`` and
+``context``; translation ``source``), else the committed load-test text of the task (``loadtest/data``:
+``sentiment_dev.jsonl`` for both classifications, ``qa_dev.jsonl``, ``de_en_dev.jsonl``). QA rows
 are followed by QNLI-style (question, one sentence of its context) pairs (the load test's ``classify-pair``
 construction) when the rows alone are fewer than ``dtype_gate_items``: the committed QA text has 100 questions
 and the gate needs at least ``DTYPE_GATE_MIN_ITEMS`` (200) items. Fewer usable items keep float32.
@@ -30,6 +31,7 @@ import json
 import logging
 import math
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -43,7 +45,8 @@ from relserve.models.decode_types import DecodeOptions
 
 from ..config import DTYPE_GATE_MIN_ITEMS, ModelConfig
 from ..cpu_features import bf16_support
-from .base import TASK_CLASSIFICATION, TASK_QA, TASK_TRANSLATION, StartItem, StepPlan
+from . import gate_cache
+from .base import TASK_CLASSIFICATION, TASK_QA, TASK_TOKEN_CLASSIFICATION, TASK_TRANSLATION, StartItem, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,7 @@ CALIBRATION_FILE = "calibration.jsonl"
 # <repo>/loadtest/data in a checkout; relserve/loadtest/data (package data) in an installed wheel
 LOADTEST_DATA = Path(__file__).resolve().parents[2] / "loadtest" / "data"
 LOADTEST_TEXT = {TASK_CLASSIFICATION: "sentiment_dev.jsonl", TASK_QA: "qa_dev.jsonl",
-                 TASK_TRANSLATION: "de_en_dev.jsonl"}
+                 TASK_TRANSLATION: "de_en_dev.jsonl", TASK_TOKEN_CLASSIFICATION: "sentiment_dev.jsonl"}
 # the load test's sentence split (loadtest/scenarios.py question_sentence_pairs; not importable from here:
 # loadtest imports service)
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(\[\u201c])")
@@ -159,7 +162,7 @@ def _item(task: str, row: dict) -> dict[str, str] | None:
         value = row.get(key)
         return value if isinstance(value, str) and value.strip() else None
 
-    if task == TASK_CLASSIFICATION:
+    if task in (TASK_CLASSIFICATION, TASK_TOKEN_CLASSIFICATION):
         if text("text") is None:
             return None
         return {"text": row["text"], **({"text_pair": row["text_pair"]} if text("text_pair") else {})}
@@ -243,11 +246,49 @@ def gate_torch_backend(backend: Any, task: str) -> None:
     """
     if not backend.plan.gate:
         return
-    dtype, reason = decide(backend.config, backend.plan, task, backend._gate_outcomes, backend._use_bfloat16,
-                           backend._use_float32)
+    dtype, reason = _decide_or_reuse(backend, task)
     backend.plan = Plan(dtype, reason)
     backend._float32_model = None  # decided: the float32 weights are not needed any more if bfloat16 serves
     backend.meta = dataclasses.replace(backend.meta, dtype=dtype, dtype_reason=reason)
+
+
+def _decide_or_reuse(backend: Any, task: str) -> tuple[str, str]:
+    """:func:`decide`, or the decision kept for the same key (:mod:`.gate_cache`, unless ``load_cache`` is
+    off); a decision of a gate that ran to its end is kept. Logs where the decision came from and its time."""
+    config, t0 = backend.config, time.monotonic()
+    key = None
+    if config.load_cache:
+        texts = [Path(config.path) / CALIBRATION_FILE, LOADTEST_DATA / LOADTEST_TEXT.get(task, "-")]
+        try:
+            key = gate_cache.gate_key(config, task, backend.device, texts)
+        except OSError as exc:  # the load has read these files: a race with someone changing them; decide afresh
+            log.warning("model %r: dtype decision key not computed (%s); running the gate", config.name, exc)
+    kept = gate_cache.lookup(config, key) if key is not None else None
+    if kept is not None:
+        if kept.dtype == "bfloat16":
+            backend._use_bfloat16()
+            items, _ = gate_items(config.path, task, GATE_BATCH)
+            try:  # warm-up ran the float32 model: the bfloat16 one computes once before it serves
+                backend._gate_outcomes(items)
+            except Exception as exc:  # as decide(): a kernel missing in bfloat16 leaves float32 serving
+                backend._use_float32()
+                log.warning("model %r: bfloat16 run failed", config.name, exc_info=True)
+                return "float32", f"dtype: {config.dtype} -> float32: the kept bfloat16 decision's run failed: {exc}"
+        log.info("model %r: dtype decision %s from %s in %.2f s (the agreement gate did not run)", config.name,
+                 kept.dtype, kept.where, time.monotonic() - t0)
+        return kept.dtype, f"{kept.reason} [decision kept in {kept.where}; the gate did not run at this start]"
+    runs = []
+
+    def outcomes(items: list[dict[str, str]]) -> list[Outcome]:
+        out = backend._gate_outcomes(items)
+        runs.append(len(out))
+        return out
+
+    dtype, reason = decide(config, backend.plan, task, outcomes, backend._use_bfloat16, backend._use_float32)
+    log.info("model %r: dtype agreement gate ran in %.2f s -> %s", config.name, time.monotonic() - t0, dtype)
+    if key is not None and len(runs) == 2:  # both runs finished: the decision is the gate's, not an error's
+        gate_cache.store(config, key, dtype, reason)
+    return dtype, reason
 
 
 # ------------------------------------------------------------------------------------- per-task outcomes
@@ -288,7 +329,19 @@ def encoder_outcomes(task: str, items: Sequence[dict[str, str]], *, tokenizer: A
                      max_seq_len: int, problem_type: str | None) -> list[Outcome]:
     """Gate outcomes of an encoder backend's ``run`` (the :class:`relserve.service.backends.base.Backend`
     contract): classification ``(argmax label, label probabilities)``; QA ``((start, end) characters of the
-    best span, [its score])`` from the server's own span search over all windows of the item."""
+    best span, [its score])`` from the server's own span search over all windows of the item; token
+    classification one outcome per content token of each item (truncated at the window) ``(argmax label, label
+    probabilities)``, so agreement is the fraction of tokens labelled alike."""
+    if task == TASK_TOKEN_CLASSIFICATION:
+        limit = max_seq_len if tokenizer.model_max_length is None else min(max_seq_len, tokenizer.model_max_length)
+        encodings = tokenizer.batch_encode([it["text"] for it in items], None, max_length=limit)
+        out = []
+        for logits in _run_all(run, encodings, config):
+            x = np.asarray(logits, dtype=np.float64)[1:-1]  # content tokens: [CLS] and [SEP] carry no label
+            for row in x:
+                p = apply_function(row, "softmax")
+                out.append(Outcome(int(np.argmax(p)), p))
+        return out
     if task == TASK_CLASSIFICATION:
         # the classify task's truncation: longest-first at max_seq_len, lowered to a real model_max_length
         limit = max_seq_len if tokenizer.model_max_length is None else min(max_seq_len, tokenizer.model_max_length)

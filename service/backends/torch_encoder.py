@@ -1,6 +1,7 @@
-"""PyTorch encoder backend: a classification / QA checkpoint from ``relserve.models.checkpoint`` run eagerly
-under inference_mode (the :class:`relserve.service.backends.base.Backend` contract). ``dtype: auto`` loads
-float32 and lets the agreement gate of :mod:`.precision` switch to bfloat16 after warm-up."""
+"""PyTorch encoder backend: a classification / QA / token-classification checkpoint from
+``relserve.models.checkpoint`` run eagerly under inference_mode (the
+:class:`relserve.service.backends.base.Backend` contract). ``dtype: auto`` loads float32 and lets the agreement
+gate of :mod:`.precision` switch to bfloat16 after warm-up."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from relserve.models.deberta import set_unpadded
 
 from ..config import ModelConfig, check_dtype_for_device
 from ..errors import ConfigError
-from .base import TASK_CLASSIFICATION, TASK_QA, UNBUDGETED, CallBudget, EncoderBackendDefaults, ModelMeta
+from .base import (TASK_CLASSIFICATION, TASK_QA, TASK_TOKEN_CLASSIFICATION, UNBUDGETED, CallBudget,
+                   EncoderBackendDefaults, ModelMeta)
 from . import precision
 from .heap import HeapBound
 from .padding import WarmupEncoding, pad_batch, probe_encodings
@@ -75,10 +77,10 @@ class TorchBackend(EncoderBackendDefaults):
         add_yield_points(self.model, lambda: self._budget, threads=self.config.torch_intra_op_threads)
         self._pad_id = int(getattr(tok, "pad_token_id", 0) or 0)
         self._use_token_type = int(getattr(cfg, "type_vocab_size", 0) or 0) > 0
-        if ckpt.task not in (TASK_CLASSIFICATION, TASK_QA):
+        if ckpt.task not in (TASK_CLASSIFICATION, TASK_QA, TASK_TOKEN_CLASSIFICATION):
             raise ConfigError(f"model {self.config.name!r}: task {ckpt.task!r} is not served")
         labels: tuple[str, ...] = ()
-        if ckpt.task == TASK_CLASSIFICATION:
+        if ckpt.task != TASK_QA:  # sequence and token classification: labels in id order
             id2label = dict(getattr(cfg, "id2label", None) or {})
             n = int(getattr(cfg, "num_labels", 0) or len(id2label))
             labels = tuple(str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(n))
@@ -177,6 +179,9 @@ class TorchBackend(EncoderBackendDefaults):
             start_np = start.float().cpu().numpy()
             end_np = end.float().cpu().numpy()
             return [(start_np[i, :n].copy(), end_np[i, :n].copy()) for i, n in enumerate(lengths)]
+        if self.meta.task == TASK_TOKEN_CLASSIFICATION:
+            per_token = out.float().cpu().numpy()  # [B, T, num_labels]
+            return [per_token[i, :n].copy() for i, n in enumerate(lengths)]
         logits = (out[0] if isinstance(out, (tuple, list)) else out).float().cpu().numpy()
         return [logits[i].copy() for i in range(len(batch))]
 

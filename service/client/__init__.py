@@ -353,6 +353,89 @@ class Client:
                            null_threshold=null_threshold, align_to_words=align_to_words)
         return self._call(self._stub.Answer, request, timeout)
 
+    def zero_shot_classify(self, model: str, texts: str | Sequence[str], candidate_labels: str | Sequence[str], *,
+                           hypothesis_template: str | None = None, multi_label: bool = False,
+                           timeout: float | None = None) -> pb.ZeroShotClassifyResponse:
+        """Zero-shot classification on an NLI model: ``results[i].labels`` (every candidate label with its
+        score, best first) for ``texts[i]``, as transformers' zero-shot-classification pipeline.
+
+        Args:
+            model: a classification model whose labels include an entailment label.
+            texts: the texts (a single string is one text).
+            candidate_labels: the labels to score (a single string is one label), 1..``max_candidate_labels``.
+            hypothesis_template: the hypothesis with one ``{}`` for the label; None: "This example is {}.".
+            multi_label: score each label on its own (entailment vs contradiction) instead of a softmax over
+                the labels.
+            timeout: deadline in seconds for this call (default: the client's).
+
+        Raises:
+            ClientError: INVALID_ARGUMENT (no texts or labels, a blank one, too many, a template without
+                ``{}``, a model without an entailment label; the message names the field), NOT_FOUND,
+                FAILED_PRECONDITION (not a classification model), DEADLINE_EXCEEDED, ...
+            ClientUsageError: refused before sending (a text that is not a str, ...).
+        """
+        request = _request(pb.ZeroShotClassifyRequest, model=model, texts=_texts(texts, "texts"),
+                           candidate_labels=_texts(candidate_labels, "candidate_labels"),
+                           hypothesis_template=hypothesis_template, multi_label=multi_label)
+        return self._call(self._stub.ZeroShotClassify, request, timeout)
+
+    def classify_tokens(self, model: str, texts: str | Sequence[str], *, aggregation_strategy: str | None = None,
+                        ignore_labels: Sequence[str] | None = None, stride: int | None = None,
+                        timeout: float | None = None) -> pb.ClassifyTokensResponse:
+        """Token classification (NER, PII): ``results[i].entities`` for ``texts[i]``, in text order, each with
+        its label (``entity_group``, or ``entity`` and ``index`` for aggregation "none"), ``score``, ``word``
+        == ``text[start:end]`` (code points), as transformers' token-classification pipeline.
+
+        Args:
+            model: a token-classification model's name.
+            texts: the texts (a single string is one text); a long one runs as overlapping windows.
+            aggregation_strategy: "none" | "simple" | "first" | "average" | "max"; None: "none".
+            ignore_labels: labels whose entities are dropped; None: ["O"]; [] drops none.
+            stride: tokens shared by consecutive windows; None: the model's default.
+            timeout: deadline in seconds for this call (default: the client's).
+
+        Raises:
+            ClientError: INVALID_ARGUMENT (no texts, a blank one, an unknown strategy, a stride over the
+                limit, too many windows; the message names the field), NOT_FOUND, FAILED_PRECONDITION (not a
+                token-classification model), DEADLINE_EXCEEDED, ...
+            ClientUsageError: refused before sending (a negative ``stride``, a label that is not a str, ...).
+        """
+        request = _request(pb.ClassifyTokensRequest, model=model, texts=_texts(texts, "texts"),
+                           aggregation_strategy=aggregation_strategy, stride=stride)
+        if ignore_labels is not None:
+            labels = _texts(ignore_labels, "ignore_labels")
+            request.ignore_labels.SetInParent()  # set, also when empty: "drop none" differs from unset
+            try:
+                request.ignore_labels.labels.extend(labels)
+            except (TypeError, ValueError) as exc:
+                raise ClientUsageError(_field_problem(pb.IgnoreLabels, "labels", labels, exc)) from exc
+        return self._call(self._stub.ClassifyTokens, request, timeout)
+
+    def rerank(self, model: str, query: str, texts: str | Sequence[str], *, top_n: int = 0, raw_scores: bool = False,
+               return_text: bool = False, truncate: bool | None = None,
+               timeout: float | None = None) -> pb.RerankResponse:
+        """Rank ``texts`` by relevance to ``query`` with a cross-encoder: ``results`` {index, score, text} best
+        first (ties: the lower index first).
+
+        Args:
+            model: a classification model (a one-label cross-encoder, or a head with a relevance label).
+            query: the query.
+            texts: the texts to rank (a single string is one text), 1..``max_rerank_texts``.
+            top_n: results returned; 0 returns all.
+            raw_scores: the logit instead of the probability.
+            return_text: each result carries its text.
+            truncate: cut over-long pairs (None leaves the field unset: true); False refuses them.
+            timeout: deadline in seconds for this call (default: the client's).
+
+        Raises:
+            ClientError: INVALID_ARGUMENT (a blank query or text, too many texts, a model without a relevance
+                label, an over-long pair with ``truncate=False``), NOT_FOUND, FAILED_PRECONDITION, ...
+            ClientUsageError: refused before sending (``top_n=-1``, a text that is not a str, ...).
+        """
+        request = _request(pb.RerankRequest, model=model, query=query, texts=_texts(texts, "texts"), top_n=top_n,
+                           raw_scores=raw_scores, return_text=return_text, truncate=truncate)
+        return self._call(self._stub.Rerank, request, timeout)
+
     def translate(self, model: str, texts: str | Sequence[str], *, beam_size: int = 0, n_best: int = 0,
                   max_length: int = 0, return_alignment: bool = False,
                   timeout: float | None = None) -> pb.TranslateResponse:

@@ -9,6 +9,12 @@ reply printed as JSON, so trying a server needs neither code nor grpcurl.
                             [--doc-stride N] [--allow-impossible] [--null-threshold X] [--[no-]align-to-words]
     relserve call translate [COMMON] --model NAME --text TEXT [--text TEXT ...] [--beam-size B] [--n-best N]
                             [--max-length N] [--return-alignment] [--stream]
+    relserve call zero-shot [COMMON] --model NAME --text TEXT [--text ...] --label LABEL [--label ...]
+                            [--hypothesis-template T] [--multi-label]
+    relserve call classify-tokens [COMMON] --model NAME --text TEXT [--text ...] [--aggregation-strategy S]
+                            [--ignore-label LABEL ... | --no-ignore] [--stride N]
+    relserve call rerank    [COMMON] --model NAME --query Q --text TEXT [--text ...] [--top-n N] [--raw-scores]
+                            [--return-text] [--[no-]truncate]
     COMMON: [--address HOST:PORT] [--timeout S] [--tls] [--tls-ca PEM] [--tls-cert PEM --tls-key PEM]
             [--tls-server-name NAME] [--token TOKEN | --token-file PATH]
 
@@ -49,6 +55,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 # Client parameters whose flag is not ``--`` + the name with dashes, for messages of refused values.
 _FLAGS = {"texts": "--text", "text_pairs": "--text-pair", "text": "--text", "target": "--address",
+          "candidate_labels": "--label", "ignore_labels": "--ignore-label",
           "root_certificates": "--tls-ca", "client_cert": "--tls-cert", "client_key": "--tls-key"}
 # A client message starts with the parameter it refuses and may name another of the connection's.
 _LEADING_NAME = re.compile(r"^[a-z]+(?:_[a-z]+)*")
@@ -87,7 +94,8 @@ def build_parser(prog: str = "relserve call") -> argparse.ArgumentParser:
                                      "gRPC) and print the reply as JSON. Exit codes: 0 ok, 1 the call failed "
                                      "(the gRPC status as JSON on stderr), 2 usage.")
     parser.add_argument("--version", action="version", version=f"relserve {package_version()}")
-    sub = parser.add_subparsers(dest="rpc", required=True, metavar="{classify,answer,translate,models,health}")
+    sub = parser.add_subparsers(dest="rpc", required=True, metavar="{classify,answer,translate,zero-shot,"
+                                "classify-tokens,rerank,models,health}")
 
     def command(name: str, run: Callable[[Client, argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
@@ -140,6 +148,35 @@ def build_parser(prog: str = "relserve call") -> argparse.ArgumentParser:
     translate.add_argument("--stream", action="store_true",
                            help="TranslateStream: one JSON line per decoder step, the last with final true "
                                 "(one --text)")
+
+    zero_shot = command("zero-shot", _zero_shot, "zero-shot classification on an NLI model (ZeroShotClassify)")
+    zero_shot.add_argument("--model", required=True, help="a classification model with an entailment label")
+    zero_shot.add_argument("--text", action="append", required=True, help="a text (repeat for a batch)")
+    zero_shot.add_argument("--label", action="append", required=True, metavar="LABEL", dest="candidate_labels",
+                           help="a candidate label (repeat for each)")
+    zero_shot.add_argument("--hypothesis-template", metavar="TEMPLATE",
+                           help="the hypothesis with one {} for the label (default: 'This example is {}.')")
+    zero_shot.add_argument("--multi-label", action="store_true", help="score each label on its own")
+
+    tokens = command("classify-tokens", _classify_tokens, "token classification, e.g. NER (ClassifyTokens)")
+    tokens.add_argument("--model", required=True, help="a token-classification model's name")
+    tokens.add_argument("--text", action="append", required=True, help="a text (repeat for a batch)")
+    tokens.add_argument("--aggregation-strategy", metavar="S",
+                        help="none | simple | first | average | max (default: none)")
+    tokens.add_argument("--ignore-label", action="append", metavar="LABEL", dest="ignore_labels",
+                        help="drop entities with this label (repeat; default: O)")
+    tokens.add_argument("--no-ignore", action="store_true", help="drop no entities (not even O)")
+    tokens.add_argument("--stride", type=int, metavar="N", help="tokens shared by windows (default: the model's)")
+
+    rerank = command("rerank", _rerank, "rank texts by relevance to a query (Rerank)")
+    rerank.add_argument("--model", required=True, help="a cross-encoder (classification) model's name")
+    rerank.add_argument("--query", required=True)
+    rerank.add_argument("--text", action="append", required=True, help="a text to rank (repeat for each)")
+    rerank.add_argument("--top-n", type=int, default=0, metavar="N", help="results returned (default 0: all)")
+    rerank.add_argument("--raw-scores", action="store_true", help="logits instead of probabilities")
+    rerank.add_argument("--return-text", action="store_true", help="each result carries its text")
+    rerank.add_argument("--truncate", action=argparse.BooleanOptionalAction, default=None,
+                        help="cut over-long pairs (default) or refuse them (--no-truncate)")
     return parser
 
 
@@ -182,6 +219,26 @@ def _translate(client: Client, args: argparse.Namespace) -> int:
         return EXIT_OK
     for message in client.translate_stream(args.model, args.text[0], **options):
         print(_dump(message, indent=None), flush=True)  # JSON lines: each step as it arrives
+    return EXIT_OK
+
+
+def _zero_shot(client: Client, args: argparse.Namespace) -> int:
+    print(_dump(client.zero_shot_classify(args.model, args.text, args.candidate_labels,
+                                          hypothesis_template=args.hypothesis_template,
+                                          multi_label=args.multi_label)))
+    return EXIT_OK
+
+
+def _classify_tokens(client: Client, args: argparse.Namespace) -> int:
+    ignore = [] if args.no_ignore else args.ignore_labels
+    print(_dump(client.classify_tokens(args.model, args.text, aggregation_strategy=args.aggregation_strategy,
+                                       ignore_labels=ignore, stride=args.stride)))
+    return EXIT_OK
+
+
+def _rerank(client: Client, args: argparse.Namespace) -> int:
+    print(_dump(client.rerank(args.model, args.query, args.text, top_n=args.top_n, raw_scores=args.raw_scores,
+                              return_text=args.return_text, truncate=args.truncate)))
     return EXIT_OK
 
 

@@ -81,6 +81,9 @@ def _model_from_mapping(raw: Mapping[str, Any], base_dir: Path, where: str) -> M
                               f"default cache")
         cache = Path(values["onnx_cache_dir"]).expanduser()
         values["onnx_cache_dir"] = cache if cache.is_absolute() else base_dir / cache
+    if values.get("onnx_path") is not None:
+        graphs = Path(values["onnx_path"]).expanduser()
+        values["onnx_path"] = graphs if graphs.is_absolute() else base_dir / graphs
     return validate_model(ModelConfig(**values))
 
 

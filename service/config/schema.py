@@ -219,6 +219,12 @@ class ModelConfig:
         256,
         "items the gate runs (the first ones of the text; fewer usable items than the minimum keep float32)",
         bounds=Bounds(DTYPE_GATE_MIN_ITEMS, note=" (the agreement gate runs on at least that many items)"))
+    load_cache: bool = key(
+        True,
+        "keep what a load measures, keyed by the checkpoint's files, the CPU/GPU and torch build, the relserve "
+        "version and the keys it reads, in <onnx_cache_dir>/dtype-gate/ (auto's gate decision, also read from a "
+        "dtype_decision.json shipped beside the checkpoint; the batch cost model's warm-up probe timings), and use "
+        "it at the next start instead of measuring again; false: the gate and the probes run at every start")
     max_batch_size: int = key(32, "sequences (QA: windows) per backend batch", bounds=Bounds(1))
     max_batch_tokens: int = key(8192, "padded tokens per batch: batch size x longest sequence; at least "
                                       "max_seq_len", bounds=Bounds(1))
@@ -251,6 +257,17 @@ class ModelConfig:
                                  bounds=Bounds(1))
     max_qa_windows: int = key(64, "windows per Answer request; a longer context is INVALID_ARGUMENT",
                               bounds=Bounds(1))
+    max_token_windows: int = key(64, "windows per text of a token-classification request (a text longer than "
+                                 "max_seq_len runs as overlapping windows); more is INVALID_ARGUMENT",
+                                 bounds=Bounds(1))
+    token_stride: int | None = key(
+        None, "default overlap between the windows of a long token-classification text (tokens); unset: 128; "
+        "lowered to half a window's room (max_seq_len - 2) // 2 when over it", bounds=Bounds(0), nullable=False)
+    max_candidate_labels: int = key(64, "candidate labels per zero-shot classification request (more: "
+                                    "INVALID_ARGUMENT); its texts x labels pairs also count against "
+                                    "max_request_texts", bounds=Bounds(1))
+    max_rerank_texts: int = key(256, "texts per rerank request, each scored with the query as one pair (more: "
+                                "INVALID_ARGUMENT)", bounds=Bounds(1))
     instances: int = key(
         1,
         "worker processes of this encoder model; each backend call is split between them (by tokens; at most one "
@@ -258,6 +275,11 @@ class ModelConfig:
         "1.1-1.35x short-sentence throughput, one more copy of the weights; torch/onnx_intra_op_threads are then "
         "shared out. More than 1 needs worker_process",
         bounds=Bounds(1, MAX_INSTANCES))
+    decode_instances: int = key(
+        0,
+        "translation with worker_process: decode loops, each in a worker process of its own with its share of the "
+        "cores; texts go to the least loaded (scheduling/decode_workers.py); 0: one per core",
+        bounds=Bounds(0, MAX_INSTANCES, lo_note=" (one per core)"))
     warmup: bool = key(True, "run warm-up batches at load, before the model reports SERVING")
     length_bucketing: bool = key(True, "batch similar lengths together; false: batches in arrival order (more "
                                        "padding)")
@@ -280,6 +302,11 @@ class ModelConfig:
         None,
         "exported graphs, keyed by checkpoint hash (null: $XDG_CACHE_HOME/relserve/onnx, ~/.cache/relserve/onnx "
         "without it); created 0700; refused if another uid owns it or group/others can write it")
+    onnx_path: Path | None = key(
+        None,
+        "backend onnx: a directory written by `relserve export` for this checkpoint (its graphs and "
+        "export_report.json), served as is instead of the cache; refused at start when the checkpoint hash it "
+        "records is not that of the checkpoint at path (relative paths: as path)")
     onnx_intra_op_threads: int = key(
         0, "ONNX Runtime intra-op threads (0: the share under partition, else ONNX Runtime's default, one per core)",
         bounds=Bounds(0, MAX_THREADS, lo_note=" (ONNX Runtime's default)"))
@@ -318,8 +345,9 @@ class ModelConfig:
     worker_process: bool | None = key(
         None,
         "compute in a child process of the server (own GIL: the event loop's refusals no longer slow the "
-        "batches; service/backends/worker.py), restarted if it dies; null: true for encoder models, false "
-        "(in-process, the only choice) for translation")
+        "batches; service/backends/worker.py), restarted if it dies; translation: the decode loops in "
+        "decode_instances processes (service/scheduling/decode_workers.py; 2 processes on 2 shared cores: 1.2-1.7x "
+        "sentences/s, lower p99, ~280 MiB each); null: true for encoder models, false for translation")
     worker_batch_timeout: float = key(
         0.0,
         "worker_process: seconds one batch may take in the worker process before it is declared hung, killed and "
@@ -430,6 +458,12 @@ class ServerConfig:
         flag=Flag(("--drain-timeout",), "seconds to let in-flight requests finish on SIGTERM"))
     log_level: str = key("INFO", "DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)",
                          flag=Flag(("--log-level",), "DEBUG, INFO, WARNING, ... (default {default})"))
+    otlp_endpoint: str | None = key(
+        None, "OpenTelemetry collector to send traces to (OTLP; http/protobuf, or grpc when OTEL_EXPORTER_OTLP_PROTOCOL "
+        "is grpc), e.g. http://collector:4318; null: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT "
+        "if set, else no tracing. Needs the [otel] extra",
+        flag=Flag(("--otlp-endpoint",), "send OpenTelemetry traces to this OTLP collector URL (needs the [otel] "
+                                        "extra)", metavar="URL"))
     compute_scheduling: str = key(
         "partition",
         "how the models share the cores (service/scheduling/cores.py): partition: concurrently, each call with "

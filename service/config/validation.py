@@ -4,13 +4,17 @@ the rules between keys. Every refusal is a ConfigError naming the key, the value
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import stat
+from pathlib import Path
 from typing import Any
 
 from ..auth import check_tls_files, read_tokens
 from ..cpu_features import CPU_BF16_ENV, bf16_support, cpu_bf16_mode
 from ..errors import ConfigError
 from .schema import (
-    DEVICE_RE, LOG_LEVELS, MODEL_KEYS, NAME_RE, SERVER_KEYS, KeySpec, ModelConfig, ServerConfig, check_doc_stride,
+    DEVICE_RE, LOG_LEVELS, MIB, MODEL_KEYS, NAME_RE, SERVER_KEYS, KeySpec, ModelConfig, ServerConfig, check_doc_stride,
 )
 
 
@@ -88,12 +92,15 @@ def validate_model(m: ModelConfig) -> ModelConfig:
     if m.dtype == "int8" and m.device.startswith("cuda"):
         raise ConfigError(f"{where}: dtype int8 runs on ONNX Runtime's CPU provider only (dynamically quantized "
                           f"MatMulInteger graphs), got device {m.device!r}; use device cpu or auto")
+    if m.onnx_path is not None and m.backend == "torch":
+        raise ConfigError(f"{where}: onnx_path {str(m.onnx_path)!r} is served by backend onnx, but the backend is "
+                          f"torch; set backend: onnx, or leave onnx_path out")
     if m.backend == "onnx" and m.dtype not in ("auto", "float32", "int8"):
         raise ConfigError(f"{where}: the onnx backend runs float32 graphs only (and int8 ones, dtype: int8), got "
                           f"dtype {m.dtype}; use backend torch for half precision")
     check("dtype_gate_agreement", "dtype_gate_max_prob_diff", "dtype_gate_items",
           "max_batch_size", "max_batch_tokens", "max_queue_size", "doc_stride", "max_answer_len",
-          "max_request_texts", "max_request_chars", "max_qa_windows",
+          "max_request_texts", "max_request_chars", "max_qa_windows", "max_candidate_labels", "max_rerank_texts",
           "max_request_batch_share", "max_batch_time_ms", "max_queue_delay", "max_seq_len")
     if m.max_seq_len is not None:
         if m.doc_stride is not None:
@@ -110,12 +117,106 @@ def validate_model(m: ModelConfig) -> ModelConfig:
     if not (len_a.contains(m.max_len_a) and len_b.contains(m.max_len_b)):
         raise ConfigError(f"{where}: max_len_a must be {len_a.phrase()} and max_len_b {len_b.phrase()}, got "
                           f"{m.max_len_a} and {m.max_len_b}")
-    check("length_penalty", "instances")
+    check("length_penalty", "instances", "decode_instances")
+    if m.decode_instances and not m.worker_process:
+        raise ConfigError(f"{where}: decode_instances {m.decode_instances} needs worker_process: true (the decode "
+                          f"loops of a translation model run in worker processes only with it)")
     if m.instances > 1 and m.worker_process is False:
         raise ConfigError(f"{where}: instances {m.instances} needs worker_process (each instance is a worker "
                           f"process of its own; in one process the instances would share one GIL and one torch "
                           f"thread pool); set worker_process: true or instances: 1")
     return m
+
+
+# the files a checkpoint directory is served from (names as models/checkpoint.py and models/tokenization read them)
+_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+_TOKENIZERS = (("tokenizer.json",), ("spm.model",), ("vocab.json", "merges.txt"))
+_SAFETENSORS_HEADER_MAX = 100 * MIB  # safetensors' own limit on the JSON header
+
+
+def _unreadable(path: Path) -> str | None:
+    """Why ``path`` is not a readable regular file (its first byte is read), or None."""
+    try:
+        with open(path, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                return "is not a regular file"
+            fh.read(1)
+    except FileNotFoundError:
+        return "is missing"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    return None
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why ``path`` is not a safetensors file (its 8-byte header length and JSON header), or None."""
+    try:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 2 or n > min(size - 8, _SAFETENSORS_HEADER_MAX):
+                return f"is not a safetensors file (header length {n} in a file of {size} bytes)"
+            header = json.loads(fh.read(n).decode("utf-8"))
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    except ValueError:
+        return "is not a safetensors file (its header is not JSON)"
+    return None if isinstance(header, dict) else "is not a safetensors file (its header is not a JSON object)"
+
+
+def check_model_files(m: ModelConfig) -> None:
+    """The files ``m`` is served from, checked before the server binds a port: the directory readable,
+    ``config.json`` a readable JSON object, the weights (``model.safetensors``: its header too; or
+    ``pytorch_model.bin``) and the tokenizer files readable (translation: the SentencePiece files its config
+    names; encoders: ``tokenizer.json``, ``spm.model`` or ``vocab.json`` + ``merges.txt``). Whether the weights
+    fit the architecture is the backend's check at load. No torch.
+
+    Raises:
+        ConfigError: naming the model, the path and the problem.
+    """
+    where = f"model {m.name!r}"
+    root = Path(m.path)
+    if not root.is_dir():
+        raise ConfigError(f"{where}: path {str(root)!r} is not a directory")
+    try:
+        names = set(os.listdir(root))
+    except OSError as exc:
+        raise ConfigError(f"{where}: checkpoint directory {str(root)!r} cannot be listed ({exc.strerror or exc})")
+    cfg_path = root / "config.json"
+    why = _unreadable(cfg_path)
+    if why:
+        raise ConfigError(f"{where}: {str(cfg_path)!r} {why}; a checkpoint directory needs its config.json (as "
+                          f"save_pretrained writes it)")
+    try:
+        raw = json.loads(cfg_path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{where}: {str(cfg_path)!r} is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: {str(cfg_path)!r} is not a JSON object")
+    if not isinstance(raw.get("model_type", ""), str):
+        raise ConfigError(f"{where}: {str(cfg_path)!r}: model_type must be a string, got {raw['model_type']!r}")
+    translation = raw.get("model_type") == "rnnsearch"
+    weights = [root / n for n in (_WEIGHTS[:1] if translation else _WEIGHTS) if n in names]
+    if not weights:
+        raise ConfigError(f"{where}: no weights in {str(root)!r} (expected "
+                          f"{' or '.join(_WEIGHTS[:1] if translation else _WEIGHTS)})")
+    why = _unreadable(weights[0]) or (_safetensors_problem(weights[0]) if weights[0].suffix == ".safetensors"
+                                      else None)
+    if why:
+        raise ConfigError(f"{where}: weights {str(weights[0])!r} {why}")
+    if translation:
+        files = [root / str(raw.get(k) or d) for k, d in (("source_tokenizer", "source.spm"),
+                                                            ("target_tokenizer", "target.spm"))]
+    else:
+        files = next(([root / n for n in group] for group in _TOKENIZERS if all(n in names for n in group)), [])
+        if not files:
+            raise ConfigError(f"{where}: no tokenizer in {str(root)!r} (expected tokenizer.json, spm.model, or "
+                              f"vocab.json + merges.txt)")
+    for f in files:
+        why = _unreadable(f)
+        if why:
+            raise ConfigError(f"{where}: tokenizer file {str(f)!r} {why}")
 
 
 def validate_security(cfg: ServerConfig) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Awaitable, Callable, Mapping
 
 import grpc
 
-from .. import metrics
+from .. import metrics, tracing
 from ..errors import InvalidArgument, to_status
 from ..scheduling.pushback import NO_RETRY_PUSHBACK, PUSHBACK_TRAILER, pushback_ms
 from .messages import MalformedRequest, check_message_size, refuse_malformed, tolerant_deserializer
@@ -57,14 +57,14 @@ class TooManyEntries:
     counting on the wire (:func:`count_entries`): never parsed. No served model takes more than ``limit``.
     Answered INVALID_ARGUMENT by :func:`rpc`."""
 
-    __slots__ = ("field", "counted", "limit", "model")
+    __slots__ = ("field", "counted", "limit", "model", "key")
 
-    def __init__(self, field: str, counted: int, limit: int, model: str) -> None:
-        self.field, self.counted, self.limit, self.model = field, counted, limit, model
+    def __init__(self, field: str, counted: int, limit: int, model: str, key: str = "max_request_texts") -> None:
+        self.field, self.counted, self.limit, self.model, self.key = field, counted, limit, model, key
 
     def refusal(self) -> InvalidArgument:
         return InvalidArgument(f"the request has more than {self.counted} {self.field}; no model of this server "
-                               f"takes more than {self.limit} per request (max_request_texts); split the request")
+                               f"takes more than {self.limit} per request ({self.key}); split the request")
 
 
 # The wire count refuses only past this many entries (or the largest model limit, if higher): a request just over
@@ -77,24 +77,28 @@ WIRE_COUNT_MIN = 1024
 COUNT_WALK_SLACK = 64
 
 
-def counting_deserializer(message_type: type, caps: Mapping[str, int]) -> Callable[[bytes], Any]:
+def counting_deserializer(message_type: type,
+                          caps: Mapping[str, int | tuple[int, str]]) -> Callable[[bytes], Any]:
     """:func:`~.messages.tolerant_deserializer` behind a count of ``caps``' repeated fields on the wire (``caps``:
-    the most entries any served model takes): bytes with more than ``max(cap, WIRE_COUNT_MIN)`` entries in one of
+    the most entries any served model takes, or ``(that, its config key)`` where the key is not
+    ``max_request_texts``): bytes with more than ``max(cap, WIRE_COUNT_MIN)`` entries in one of
     them give a :class:`TooManyEntries`, unparsed.
 
     Why: parsing is what a refused request cost. 1M one-character texts (3 MB on the wire) parse in 80-100 ms on
     the event loop into about 40 MB; counted here, the walk stops after ``WIRE_COUNT_MIN + 1`` entries."""
     parse = tolerant_deserializer(message_type)
-    fields = {message_type.DESCRIPTOR.fields_by_name[name].number: (name, cap) for name, cap in caps.items()}
-    counts = {number: max(cap, WIRE_COUNT_MIN) for number, (_name, cap) in fields.items()}
+    fields = {message_type.DESCRIPTOR.fields_by_name[name].number: (name, *(cap if isinstance(cap, tuple) else
+                                                                           (cap, "max_request_texts")))
+              for name, cap in caps.items()}
+    counts = {number: max(cap, WIRE_COUNT_MIN) for number, (_name, cap, _key) in fields.items()}
     budget = sum(counts.values()) + COUNT_WALK_SLACK
 
     def deserialize(data: bytes) -> Any:
         over = count_entries(data, counts, budget)
         if over is not None:
             number, model = over
-            name, limit = fields[number]
-            return TooManyEntries(name, counts[number], limit, model)
+            name, limit, key = fields[number]
+            return TooManyEntries(name, counts[number], limit, model, key)
         return parse(data)
 
     return deserialize
@@ -205,7 +209,7 @@ class CallGuard(grpc.aio.ServerInterceptor):
         """``behavior`` (of a unary-request handler when ``read``: it gets the message read here) behind the cap."""
         if inspect.isasyncgenfunction(behavior):
             async def stream(request: Any, context: grpc.aio.ServicerContext):
-                if not self._enter(context, method, counted):
+                if not await self._enter(context, method, counted):
                     return
                 try:
                     if read:
@@ -220,7 +224,7 @@ class CallGuard(grpc.aio.ServerInterceptor):
             return stream
 
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            if not self._enter(context, method, counted):
+            if not await self._enter(context, method, counted):
                 return None
             try:
                 if read:
@@ -233,15 +237,19 @@ class CallGuard(grpc.aio.ServerInterceptor):
 
         return call
 
-    def _enter(self, context: grpc.aio.ServicerContext, method: str, counted: bool) -> bool:
-        """Count the call in, or answer it RESOURCE_EXHAUSTED when the cap is reached (no await in between: the
-        check and the count are one step of the event loop)."""
+    async def _enter(self, context: grpc.aio.ServicerContext, method: str, counted: bool) -> bool:
+        """Count the call in, or answer it RESOURCE_EXHAUSTED when the cap is reached (no await between the
+        check and the count: they are one step of the event loop).
+
+        Raises:
+            grpc.aio.AbortError: the call was refused (grpc ends it with the refusal's status).
+        """
         if not counted:
             return True
         if self.running >= self.max_calls:
-            self._refuse(context, method, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         f"the server is serving its maximum of {self.max_calls} concurrent calls "
-                         f"(max_concurrent_rpcs); retry later")
+            await self._refuse(context, method, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"the server is serving its maximum of {self.max_calls} concurrent calls "
+                               f"(max_concurrent_rpcs); retry later")
             return False
         self.running += 1
         return True
@@ -256,14 +264,18 @@ class CallGuard(grpc.aio.ServerInterceptor):
 
         Raises:
             asyncio.CancelledError: the request stream ended without a message (grpc ends the call quietly).
+            grpc.aio.AbortError: the message was late (grpc ends the call DEADLINE_EXCEEDED).
         """
+        request = None
         try:
             async with asyncio.timeout(self.read_timeout):
                 request = await context.read()
         except TimeoutError:
-            self._refuse(context, method, grpc.StatusCode.DEADLINE_EXCEEDED,
-                         f"the request message did not arrive within {self.read_timeout:g} s of the call's start "
-                         f"(request_read_timeout)")
+            pass
+        if request is None:  # refused after the except block: see _refuse
+            await self._refuse(context, method, grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"the request message did not arrive within {self.read_timeout:g} s of the call's "
+                               f"start (request_read_timeout)")
             return None
         if request is grpc.aio.EOF:
             # No message: grpc core refused it (over max_receive_message_length, answered RESOURCE_EXHAUSTED by
@@ -271,12 +283,15 @@ class CallGuard(grpc.aio.ServerInterceptor):
             raise asyncio.CancelledError()
         return request
 
-    def _refuse(self, context: grpc.aio.ServicerContext, method: str, status: grpc.StatusCode, details: str) -> None:
-        # set, then sent by grpc when the behaviour returns (as the rpc wrapper does; no abort exception)
-        context.set_code(status)
-        context.set_details(details)
+    async def _refuse(self, context: grpc.aio.ServicerContext, method: str, status: grpc.StatusCode,
+                      details: str) -> None:
+        """End the call with ``status`` and ``details`` (counted first, so that a client reading /metrics right
+        after the refusal finds it). An abort, as the rpc wrapper's: the reply is trailers-only, which a
+        client's retry policy may retry (a status after a message frame, as set_code with a handler returning
+        None sends, commits the call), and never from inside an except block (the exception would chain)."""
         if self.on_refused is not None:
             self.on_refused(method, status)
+        await context.abort(status, details)
 
 
 def pushback_trailers(exc: BaseException, status: grpc.StatusCode) -> tuple[tuple[str, str], ...]:
@@ -317,6 +332,7 @@ def rpc(task: str) -> Callable:
             t0 = time.monotonic()
             scope = Scope(task)
             code = "OK"
+            call = tracing.begin_grpc(handler.__name__, self.protocol, context)  # None: nothing to trace or log
             recorded = False
             failure: tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]] | None = None
 
@@ -376,6 +392,8 @@ def rpc(task: str) -> Callable:
                 record()
             finally:
                 record()
+                if call is not None:
+                    call.end(scope.model, code)
             # Aborted here, after the except block, with the request dropped: raised inside it, abort's
             # exception would chain the domain error, whose traceback holds the handler's frames and the parsed
             # request, in a reference cycle until the garbage collector ran (a flood of refused 1M-text requests

@@ -17,8 +17,10 @@ import contextlib
 import grpc
 
 from .._proto import inference_pb2, inference_pb2_grpc
-from ..backends.base import TASK_CLASSIFICATION, TASK_QA, TASK_TRANSLATION
+from ..backends.base import TASK_CLASSIFICATION, TASK_QA, TASK_TOKEN_CLASSIFICATION, TASK_TRANSLATION
 from ..registry import ModelRegistry
+from ..tasks.rerank import TASK_RERANK
+from ..tasks.zero_shot import TASK_ZERO_SHOT
 from ..tasks import translate as translate_task
 from . import v1_codec
 from .grpc_transport import Scope, deadline, register, rpc, write_message
@@ -27,12 +29,22 @@ SERVICE_NAME = "relserve.v1.Inference"
 
 
 def add_to_server(servicer: "InferenceServicer", server: grpc.aio.Server) -> None:
-    """Register ``servicer``'s RPCs of ``relserve.v1.Inference`` on ``server``, decoded tolerantly; texts and
-    pairs counted on the wire first, against the most texts any served model takes (``max_request_texts``)."""
-    limits = [r.config.max_request_texts for r in servicer.registry.runners.values()
-              if getattr(getattr(r, "config", None), "max_request_texts", None) is not None]
-    cap = max(limits) if limits else None
-    caps = {"ClassifyRequest": {"texts": cap, "text_pairs": cap}, "TranslateRequest": {"texts": cap}} if cap else None
+    """Register ``servicer``'s RPCs of ``relserve.v1.Inference`` on ``server``, decoded tolerantly; every
+    repeated field of texts or labels counted on the wire first, against the most entries any served model
+    takes (``max_request_texts``, ``max_candidate_labels``, ``max_rerank_texts``)."""
+    def most(key: str) -> int | None:
+        limits = [getattr(r.config, key) for r in servicer.registry.runners.values()
+                  if getattr(getattr(r, "config", None), key, None) is not None]
+        return max(limits) if limits else None
+
+    cap = most("max_request_texts")
+    caps = None
+    if cap:
+        caps = {"ClassifyRequest": {"texts": cap, "text_pairs": cap}, "TranslateRequest": {"texts": cap},
+                "ClassifyTokensRequest": {"texts": cap},
+                "ZeroShotClassifyRequest": {"texts": cap, "candidate_labels": (most("max_candidate_labels") or cap,
+                                                                               "max_candidate_labels")},
+                "RerankRequest": {"texts": (most("max_rerank_texts") or cap, "max_rerank_texts")}}
     register(servicer, server, inference_pb2, "Inference", caps)
 
 
@@ -49,9 +61,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.stream_write_timeout = stream_write_timeout  # seconds a stream message may wait for its reader
 
     def _enter(self, scope: Scope, name: str, task: str):
-        if name in self.registry.runners:
+        served = self.registry.runners.get(name)
+        if served is not None:
             scope.model = name
-        runner = self.registry.get(name, task)
+        model_task = task
+        if task in (TASK_ZERO_SHOT, TASK_RERANK, TASK_TOKEN_CLASSIFICATION) and served is not None:
+            # the pipeline tasks' validation refuses a model of another task (INVALID_ARGUMENT naming it); the
+            # scope keeps the operation's task label (zero-shot and rerank run on classification models)
+            model_task = served.task or task
+        runner = self.registry.get(name, model_task)
         scope.count_inflight()
         return runner
 
@@ -91,3 +109,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             async for event in events:
                 await write_message(context, v1_codec.stream_message(event), self.max_send_message_length,
                                     self.stream_write_timeout)
+
+    @rpc(TASK_ZERO_SHOT)
+    async def ZeroShotClassify(self, request, context, scope):
+        """Candidate labels ranked per text (:func:`.v1_codec.zero_shot_classify`)."""
+        runner = self._enter(scope, request.model, TASK_ZERO_SHOT)
+        return await v1_codec.zero_shot_classify(runner, request, deadline(context))
+
+    @rpc(TASK_TOKEN_CLASSIFICATION)
+    async def ClassifyTokens(self, request, context, scope):
+        """Entities per text (:func:`.v1_codec.classify_tokens`)."""
+        runner = self._enter(scope, request.model, TASK_TOKEN_CLASSIFICATION)
+        return await v1_codec.classify_tokens(runner, request, deadline(context))
+
+    @rpc(TASK_RERANK)
+    async def Rerank(self, request, context, scope):
+        """Texts ranked by relevance to the query (:func:`.v1_codec.rerank`)."""
+        runner = self._enter(scope, request.model, TASK_RERANK)
+        return await v1_codec.rerank(runner, request, deadline(context))

@@ -22,6 +22,18 @@ question_answering ``inputs``: ``{"question", "context"}``;     ``{"answer", "sc
                    model's ``max_seq_len`` key),
                    ``max_question_len`` (accepted; relserve
                    bounds the question by the window)
+zero_shot_         ``inputs``: a text (or a list of texts);    ``[{"label", "score"}, ...]``, every
+classification     ``parameters``: ``candidate_labels`` (a      candidate label best first (a list of them
+(a classification  list of labels, or one string of comma-      per text for a list of texts)
+model, chosen by   separated labels, as the pipeline takes),
+``candidate_       ``multi_label``, ``hypothesis_template``
+labels``)          (one ``{}``)
+token_             ``inputs``: a text (or a list of texts);    ``[{"entity_group", "score", "word",
+classification     ``parameters``: ``aggregation_strategy``    "start", "end"}, ...]`` (strategy ``none``:
+                   (``none`` | ``simple`` | ``first`` |        ``"entity"`` and the token ``"index"``
+                   ``average`` | ``max``; default ``none``),   instead of ``entity_group``), character
+                   ``ignore_labels`` (default ``["O"]``),      offsets, end exclusive; a list of them per
+                   ``stride`` (tokens shared by windows)       text for a list of texts
 translation        ``inputs``: a text (or a list of texts);    ``[{"translation_text"}, ...]``, one per text
                    ``parameters.generate_parameters``:
                    ``num_beams`` (the beam size),
@@ -47,10 +59,10 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from ..backends.base import TASK_CLASSIFICATION, TASK_QA, TASK_TRANSLATION
+from ..backends.base import TASK_CLASSIFICATION, TASK_QA, TASK_TOKEN_CLASSIFICATION, TASK_TRANSLATION
 from ..errors import FailedPrecondition, InvalidArgument
 from ..tasks import classify as classify_task
-from ..tasks import qa
+from ..tasks import qa, token_classification, zero_shot
 from ..tasks import translate as translate_task
 from . import http_calls
 from .http_transport import HTTP_STATUS, HttpTransport, json_response
@@ -63,6 +75,8 @@ _QA_PARAMETERS = ("top_k", "doc_stride", "max_answer_len", "max_seq_len", "max_q
                   "handle_impossible_answer")
 _TRANSLATE_PARAMETERS = ("generate_parameters", "truncation", "clean_up_tokenization_spaces", "src_lang", "tgt_lang")
 _GENERATE_PARAMETERS = ("num_beams", "max_new_tokens")
+_ZERO_SHOT_PARAMETERS = ("candidate_labels", "multi_label", "hypothesis_template")
+_TOKEN_PARAMETERS = ("aggregation_strategy", "ignore_labels", "stride")
 # transformers' TruncationStrategy values (the translation pipeline's ``truncation``)
 _TRUNCATIONS = ("do_not_truncate", "longest_first", "only_first", "only_second")
 
@@ -98,16 +112,22 @@ class _HfInference:
     async def infer(self, request: web.Request) -> web.Response:
         """``POST /models/{name}``: the model's task decides how ``inputs`` and ``parameters`` are read."""
         return await http_calls.serve(self.core, request, protocol=PROTOCOL, name=request.match_info["name"],
-                                      handle=self._infer, error=error)
+                                      handle=self._infer, error=error, operation=_operation)
 
     async def _infer(self, runner: Any, body: dict, deadline: float | None) -> Any:
         http_calls.obj(body, "the request body", _BODY)  # "options" (use_cache, wait_for_model): nothing to do
         if "inputs" not in body:
             raise InvalidArgument('the request body needs "inputs"')
         inputs = body["inputs"]
+        if _operation(runner, body) == zero_shot.TASK_ZERO_SHOT:
+            parameters = http_calls.obj(body.get("parameters"), "parameters", _ZERO_SHOT_PARAMETERS)
+            return await _zero_shot(runner, inputs, parameters, deadline)
         if runner.task == TASK_CLASSIFICATION:
             parameters = http_calls.obj(body.get("parameters"), "parameters", _CLASSIFY_PARAMETERS)
             return await _classify(runner, inputs, parameters, deadline)
+        if runner.task == TASK_TOKEN_CLASSIFICATION:
+            parameters = http_calls.obj(body.get("parameters"), "parameters", _TOKEN_PARAMETERS)
+            return await _classify_tokens(runner, inputs, parameters, deadline)
         if runner.task == TASK_QA:
             parameters = http_calls.obj(body.get("parameters"), "parameters", _QA_PARAMETERS)
             return await _answer(runner, inputs, parameters, deadline)
@@ -115,6 +135,16 @@ class _HfInference:
             parameters = http_calls.obj(body.get("parameters"), "parameters", _TRANSLATE_PARAMETERS)
             return await _translate(runner, inputs, parameters, deadline)
         raise FailedPrecondition(f"model {runner.name!r} is a {runner.task} model, which this API does not serve")
+
+
+def _operation(runner: Any, body: Any) -> str | None:
+    """The task a request body asks of ``runner``: zero-shot classification when a classification model's
+    ``parameters`` carry ``candidate_labels`` (what ``InferenceClient.zero_shot_classification`` sends), else
+    None (the model's own task)."""
+    parameters = body.get("parameters") if isinstance(body, dict) else None
+    if runner.task == TASK_CLASSIFICATION and isinstance(parameters, dict) and "candidate_labels" in parameters:
+        return zero_shot.TASK_ZERO_SHOT
+    return None
 
 
 def _texts(inputs: Any) -> list[str]:
@@ -185,3 +215,36 @@ async def _translate(runner: Any, inputs: Any, parameters: dict, deadline: float
                                                 return_alignment=False, config=runner.config)
     items = await translate_task.translate(runner, texts, options, deadline)
     return [{"translation_text": item.hypotheses[0].text} for item in items]
+
+
+async def _zero_shot(runner: Any, inputs: Any, parameters: dict, deadline: float | None) -> list:
+    texts = _texts(inputs)
+    labels = parameters.get("candidate_labels")
+    if isinstance(labels, str):  # the pipeline's form: comma-separated labels
+        labels = [label.strip() for label in labels.split(",") if label.strip()]
+    else:
+        labels = http_calls.strings(labels, "parameters.candidate_labels")
+    multi_label = _optional(parameters, "multi_label", http_calls.boolean)
+    template = _optional(parameters, "hypothesis_template", http_calls.text)
+    request = zero_shot.validate_zero_shot(runner, texts, labels, template, bool(multi_label))
+    items, _timings = await zero_shot.zero_shot(runner, request, deadline)
+    out = [[{"label": label, "score": score} for label, score in zip(item.labels, item.scores)] for item in items]
+    return out if isinstance(inputs, list) else out[0]
+
+
+async def _classify_tokens(runner: Any, inputs: Any, parameters: dict, deadline: float | None) -> list:
+    texts = _texts(inputs)
+    strategy = _optional(parameters, "aggregation_strategy", http_calls.text)
+    ignore = _optional(parameters, "ignore_labels", http_calls.strings)
+    stride = _optional(parameters, "stride", http_calls.integer, minimum=0)
+    request = token_classification.validate_token_classification(runner, texts, strategy, ignore, stride)
+    items, _timings = await token_classification.classify_tokens(runner, request, deadline)
+    out = [[_entity(e) for e in item.entities] for item in items]
+    return out if isinstance(inputs, list) else out[0]
+
+
+def _entity(e: Any) -> dict:
+    """One entity as the token-classification pipeline prints it."""
+    if e.entity_group is not None:
+        return {"entity_group": e.entity_group, "score": e.score, "word": e.word, "start": e.start, "end": e.end}
+    return {"entity": e.entity, "score": e.score, "index": e.index, "word": e.word, "start": e.start, "end": e.end}

@@ -37,19 +37,24 @@ Handler = Callable[[Any, Any, float | None], Awaitable[Any]]
 
 
 async def serve(core: HttpTransport, request: web.Request, *, protocol: str, name: str, handle: Handler,
-                error: ErrorReply, task: str | None = None, read_body: bool = True) -> web.Response:
+                error: ErrorReply, task: str | None = None, read_body: bool = True,
+                operation: Callable[[Any, Any], str | None] | None = None) -> web.Response:
     """Answer one model request of a surface: ``handle(runner, body, deadline)`` on the served model ``name``
     (any task when ``task`` is None: the handler reads ``runner.task``), its JSON value as the reply.
 
     Counted in the request metrics under ``protocol``; the model and task labels are the URL's model when it
-    is served (else ``_unknown_``: label values stay bounded by the served models). Every error is answered
-    by ``error`` (the transport's 413 / 415 with their statuses), never raised to the transport.
+    is served (else ``_unknown_``: label values stay bounded by the served models). ``operation(runner,
+    body)``, for a served model once the body is read, may name the task label instead (zero-shot and rerank
+    run on a classification model); None keeps the model's. Every error is answered by ``error`` (the
+    transport's 413 / 415 with their statuses), never raised to the transport.
     """
     count = Counted.for_url_model(core.registry, name, protocol=protocol)
     runner = core.registry.runners.get(name)
     try:
         deadline = core.deadline(request)
         body = await core.body(request) if read_body else None
+        if operation is not None and runner is not None:
+            count.task = operation(runner, body) or count.task
         runner = core.registry.get(name, task or (runner.task if runner is not None else None) or "")
         count.running()
         return json_response(await core.within(deadline, handle(runner, body, deadline)))
@@ -155,4 +160,15 @@ def texts(value: Any, where: str) -> list[str]:
         raise InvalidArgument(f"{where} must be a list, got {describe(value)}")
     if not value:
         raise InvalidArgument(f"{where} is empty; send at least one")
+    return [text(v, f"{where}[{i}]") for i, v in enumerate(value)]
+
+
+def strings(value: Any, where: str) -> list[str]:
+    """``value`` as a list of strings (it may be empty).
+
+    Raises:
+        InvalidArgument: not a list, or an entry not a string (naming ``where[i]``).
+    """
+    if not isinstance(value, list):
+        raise InvalidArgument(f"{where} must be a list of strings, got {describe(value)}")
     return [text(v, f"{where}[{i}]") for i, v in enumerate(value)]

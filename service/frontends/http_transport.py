@@ -26,7 +26,8 @@ accept() errors for want of descriptors are one log line a second with their cou
 ``max_receive_message_length`` is 413 before any of the body is read, and with ``Expect: 100-continue`` 417
 without ``100 Continue``. A half-closed client (``shutdown(SHUT_WR)`` after its request) gets its reply. Bodies
 of :attr:`HttpTransport.OFF_LOOP_BYTES` or more are decoded (JSON, protobuf's mapping) in a thread of their own
-(:meth:`HttpTransport.decode`), so the event loop, which gRPC shares, keeps its turns.
+(:meth:`HttpTransport.decode`), so the event loop, which gRPC shares, keeps its turns; a /v1 body's text arrays
+are counted before it is parsed (:meth:`HttpTransport.counted_loads`), so a refused one costs no parse of them.
 
 Errors: ``{"error": message, "code": "INVALID_ARGUMENT"}`` with the HTTP status of the domain error's code
 (:data:`HTTP_STATUS`); a full queue's 429 has ``Retry-After`` (whole seconds, rounded up, from the error's
@@ -65,14 +66,15 @@ import grpc
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from .. import metrics
+from .. import metrics, tracing
 from ..auth import TokenAuthInterceptor
 from ..drain import InflightCalls
 from ..errors import Cancelled, InvalidArgument, RelserveError, shown, to_status
 from ..registry import ModelRegistry
 from ..config import ServerConfig
 from .http_guard import ConnectionGuard, ListenerLimits, ThrottledLog, accept_error_handler, default_max_connections
-from .json_codec import loads
+from .grpc_transport import WIRE_COUNT_MIN, TooManyEntries
+from .json_codec import CountRefused, check_counts, count_top_arrays, loads
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -231,7 +233,7 @@ class HttpTransport:
         self.tokens = tokens
         self.auth_health = auth_health
         self.app = web.Application(client_max_size=max_body,
-                                   middlewares=[self._connection, self._errors, self._auth])
+                                   middlewares=[tracing.http_middleware, self._connection, self._errors, self._auth])
         self.max_body = max_body
         self.limits = limits or ListenerLimits.from_config(ServerConfig())
         self.guard: ConnectionGuard | None = None  # the listening socket's protocol factory, from start()
@@ -414,6 +416,47 @@ class HttpTransport:
             web.HTTPException: as :meth:`read`.
         """
         return await self.decode(await self.read(request), loads)
+
+    def counted_loads(self, raw: bytes, fields: Sequence[Sequence[str]], task: str) -> dict:
+        """The JSON object of ``raw`` (:func:`.json_codec.loads`) with its arrays ``fields`` counted first, as
+        relserve.v1's gRPC port counts a request's repeated fields before parsing it: an array with more
+        entries than ``max(WIRE_COUNT_MIN, the most any served model takes)`` is refused after that many
+        element scans, with the gRPC port's message (:class:`.grpc_transport.TooManyEntries`), before the body
+        is parsed; then :meth:`check_counts` on the parsed object. Run it in the decode thread.
+
+        Args:
+            fields: per array, the names it may have (the first holds the texts; see :meth:`check_counts`);
+                the last name is the protobuf field's, which messages use.
+
+        Raises:
+            CountRefused: an array over the limit.
+            InvalidArgument: as :func:`.json_codec.loads`.
+        """
+        limits = [r.config.max_request_texts for r in self.registry.runners.values()
+                  if getattr(getattr(r, "config", None), "max_request_texts", None) is not None]
+        if fields and limits:
+            limit = max(limits)
+            cap = max(limit, WIRE_COUNT_MIN)
+            over = count_top_arrays(raw, {name: cap for names in fields for name in names})
+            if over is not None:
+                name, model = over
+                field = next(names[-1] for names in fields if name in names)
+                raise CountRefused(str(TooManyEntries(field, cap, limit, model).refusal()), model)
+        return self.check_counts(loads(raw), fields, task)
+
+    def check_counts(self, body: dict, fields: Sequence[Sequence[str]], task: str) -> dict:
+        """``body`` after :func:`.json_codec.check_counts` of its arrays ``fields`` against the
+        ``max_request_texts`` of the model its ``model`` names, when that model is served for ``task`` (else
+        the route's own lookup answers, as before); call it on the parsed JSON before any conversion.
+
+        Raises:
+            CountRefused: an array over the limit.
+        """
+        name = body.get("model")
+        runner = self.registry.runners.get(name) if isinstance(name, str) else None
+        if runner is not None and runner.task == task:
+            check_counts(body, fields, name, runner.config.max_request_texts)
+        return body
 
     async def decode(self, raw: bytes, parse: Callable[[bytes], T]) -> T:
         """``parse(raw)``: at once for a small body, in the decode thread for one of :attr:`OFF_LOOP_BYTES` or

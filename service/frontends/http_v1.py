@@ -3,7 +3,9 @@
 =========================================== =================================================================
 ``GET /v1/models``                          relserve.v1 ListModels
 ``POST /v1/classify`` / ``/v1/answer`` /    the relserve.v1 request message (``model`` included) in
-``/v1/translate``                           protobuf's canonical JSON mapping -> the response message in it
+``/v1/translate`` /                         protobuf's canonical JSON mapping -> the response message in it
+``/v1/zero-shot-classify`` /                (ZeroShotClassify, ClassifyTokens, Rerank for the last three)
+``/v1/classify-tokens`` / ``/v1/rerank``
 =========================================== =================================================================
 
 JSON mapping: :func:`google.protobuf.json_format.ParseDict` (so both ``topK`` and ``top_k`` are accepted; an
@@ -28,12 +30,14 @@ from google.protobuf import json_format
 
 from .. import metrics
 from .._proto import inference_pb2
-from ..backends.base import TASK_CLASSIFICATION, TASK_QA, TASK_TRANSLATION
+from ..backends.base import TASK_CLASSIFICATION, TASK_QA, TASK_TOKEN_CLASSIFICATION, TASK_TRANSLATION
 from ..errors import Cancelled, InvalidArgument, to_status
 from ..scheduling.pushback import pushback_ms
+from ..tasks.rerank import TASK_RERANK
+from ..tasks.zero_shot import TASK_ZERO_SHOT
 from . import v1_codec
 from .http_transport import Counted, Deadline, HttpTransport, deadline_response, error_response, json_response
-from .json_codec import loads
+from .json_codec import CountRefused
 from .messages import MalformedRequest, check_message_size, refuse_malformed
 
 log = logging.getLogger(__name__)
@@ -45,9 +49,18 @@ _ROUTES = {
     "/v1/classify": (TASK_CLASSIFICATION, inference_pb2.ClassifyRequest, "Classify", v1_codec.classify),
     "/v1/answer": (TASK_QA, inference_pb2.AnswerRequest, "Answer", v1_codec.answer),
     "/v1/translate": (TASK_TRANSLATION, inference_pb2.TranslateRequest, "Translate", v1_codec.translate),
+    "/v1/zero-shot-classify": (TASK_ZERO_SHOT, inference_pb2.ZeroShotClassifyRequest, "ZeroShotClassify",
+                               v1_codec.zero_shot_classify),
+    "/v1/classify-tokens": (TASK_TOKEN_CLASSIFICATION, inference_pb2.ClassifyTokensRequest, "ClassifyTokens",
+                            v1_codec.classify_tokens),
+    "/v1/rerank": (TASK_RERANK, inference_pb2.RerankRequest, "Rerank", v1_codec.rerank),
 }
-_TASK_OF_PATH = {"/v1/classify": TASK_CLASSIFICATION, "/v1/answer": TASK_QA, "/v1/translate": TASK_TRANSLATION,
-                 "/v1/models": "list_models"}
+# the routes whose task validation refuses a model of another task itself (INVALID_ARGUMENT naming it), as
+# relserve.v1's servicer; zero-shot and rerank run on classification models under their own task label
+_OWN_TASK_CHECK = (TASK_ZERO_SHOT, TASK_TOKEN_CLASSIFICATION, TASK_RERANK)
+# per task, the arrays of a /v1 body counted before protobuf's mapping copies them (HttpTransport.counted_loads)
+_COUNTED = {TASK_CLASSIFICATION: (("texts",), ("textPairs", "text_pairs")), TASK_TRANSLATION: (("texts",),)}
+_TASK_OF_PATH = {**{path: route[0] for path, route in _ROUTES.items()}, "/v1/models": "list_models"}
 
 
 def routes(core: HttpTransport) -> list[web.RouteDef]:
@@ -76,7 +89,7 @@ class _V1:
         self.registry = core.registry
 
     async def task(self, request: web.Request) -> web.Response:
-        """``POST /v1/classify|answer|translate``: the relserve.v1 request message in protobuf's JSON mapping,
+        """``POST /v1/<route>`` (:data:`_ROUTES`): the relserve.v1 request message in protobuf's JSON mapping,
         through :mod:`.v1_codec` to the task."""
         task, request_type, rpc, call = _ROUTES[request.path]
         deadline = self.core.deadline(request)
@@ -91,7 +104,10 @@ class _V1:
         message: Any = request_type()
         try:
             # a large body's JSON and protobuf mapping run in the transport's decode thread, off the event loop
-            await self.core.decode(raw, lambda data: json_format.ParseDict(loads(data), message))
+            await self.core.decode(raw, lambda data: json_format.ParseDict(
+                self.core.counted_loads(data, _COUNTED.get(task, ()), task), message))
+        except CountRefused as exc:  # answered and counted by _run, on its model, as the codec's count check
+            message = exc
         except (InvalidArgument, json_format.ParseError) as exc:
             # answered (INVALID_ARGUMENT) and counted by _run, as undecodable gRPC bytes are
             message = MalformedRequest(f"{request_type.DESCRIPTOR.full_name} in protobuf's JSON mapping", len(raw),
@@ -123,7 +139,11 @@ class _V1:
                 else:
                     if message.model in self.registry.runners:
                         count.model = message.model
-                    runner = self.registry.get(message.model, task)
+                    if isinstance(message, CountRefused):  # as relserve.v1's count: before the model's lookup
+                        raise message
+                    served = self.registry.runners.get(message.model)
+                    own = task in _OWN_TASK_CHECK and served is not None and served.task
+                    runner = self.registry.get(message.model, served.task if own else task)
                     count.running()
                     reply = await call(runner, message, deadline)
                 check_message_size(reply, self.core.max_reply, "reply")

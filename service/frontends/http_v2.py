@@ -129,6 +129,7 @@ class _V2:
             # a large body's JSON and binary elements are decoded in the transport's decode thread, off the loop
             body, parsed = await self.core.decode(await self.core.read(request), decode)
             runner = oip.lookup(self.registry, name, version)
+            count.task = oip.operation(runner.task or "", [t.name for t in parsed.inputs]) or count.task
             count.running()
             result = await self.core.within(deadline, oip.infer_on(runner, parsed.inputs, parsed.parameters,
                                                                    parsed.outputs, deadline))

@@ -19,11 +19,14 @@ in the order of ``inputs``, exactly to the body's end; replies put the binary ou
 from __future__ import annotations
 
 import json
+import json.decoder
+import json.scanner
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from ..errors import InvalidArgument, shown
+from ..tasks.limits import check_text_count
 from . import oip_codec as oip
 
 
@@ -63,6 +66,103 @@ def loads(raw: bytes) -> dict:
     if not isinstance(body, dict):
         raise InvalidArgument(f"the request body must be a JSON object, got {oip.describe(body)}")
     return body
+
+
+class CountRefused(InvalidArgument):
+    """A request body refused by :func:`check_counts` on its arrays' lengths, before any conversion: the
+    INVALID_ARGUMENT the task's own validation gives, with the ``model`` it was counted for."""
+
+    def __init__(self, message: str, model: str) -> None:
+        super().__init__(message)
+        self.model = model
+
+
+def check_counts(body: dict, fields: Sequence[Sequence[str]], model: str, limit: int | None) -> None:
+    """Count the arrays of a parsed request body against ``limit`` (the model's ``max_request_texts``) before
+    protobuf's ``ParseDict`` or any other conversion copies them, so a refused body costs its ``json.loads``
+    only (a million one-character texts: one list of a million strings, where the mapping builds a message
+    of them first). The messages are the task validation's (:func:`.limits.check_text_count`; one pair per text).
+
+    Args:
+        body: the JSON object.
+        fields: per array, the names it may have (protobuf's JSON mapping takes ``textPairs`` and
+            ``text_pairs``); the first array holds the texts, each later one is at most one entry per text.
+        model: the model the body names (for the message).
+        limit: the most texts (None: no limit).
+
+    Raises:
+        CountRefused: the texts or a later array are over ``limit`` (INVALID_ARGUMENT naming the field).
+    """
+    if limit is None:
+        return
+    lengths = []
+    for names in fields:
+        value = next((body[n] for n in names if n in body), None)
+        lengths.append(len(value) if isinstance(value, list) else 0)
+    texts = lengths[0] if lengths else 0
+    if texts > limit:
+        try:
+            check_text_count(model, texts, limit)
+        except InvalidArgument as exc:
+            raise CountRefused(str(exc), model) from None
+    for names, n in zip(fields[1:], lengths[1:]):
+        if n > limit:  # and so more than one per text
+            if not texts:
+                raise CountRefused(f"{fields[0][-1]} is empty; send at least one text", model)
+            raise CountRefused(f"{names[-1]} has {n} entries but {fields[0][-1]} has {texts}; send one pair per "
+                               f"text or none", model)
+
+
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+# the C scanner of json.loads, for one value at a time (the counted arrays' elements, the other members)
+_scan_once = json.scanner.make_scanner(json.JSONDecoder(object_pairs_hook=_unique_keys))
+
+
+def count_top_arrays(raw: bytes, caps: Mapping[str, int]) -> tuple[str, str] | None:
+    """Count the elements of the top-level arrays ``caps`` names in the JSON object ``raw`` without parsing them
+    all: ``(member name, the body's "model" string so far)`` as soon as one has more elements than its cap; each
+    element is scanned alone and dropped, so a body of a million texts costs ``cap`` scans, not a list of a
+    million strings. None when none is over its cap, and also when ``raw`` is not a plain UTF-8 JSON object
+    (:func:`loads` then says what is wrong). The other members are scanned whole, as :func:`loads` would.
+    """
+    try:
+        text = raw.decode("utf-8")
+        pos = _WHITESPACE.match(text, 0).end()
+        if text[pos] != "{":
+            return None
+        pos = _WHITESPACE.match(text, pos + 1).end()
+        model = ""
+        while text[pos] == '"':
+            key, pos = json.decoder.scanstring(text, pos + 1)
+            pos = _WHITESPACE.match(text, pos).end()
+            if text[pos] != ":":
+                return None
+            pos = _WHITESPACE.match(text, pos + 1).end()
+            if key in caps and text[pos] == "[":
+                count, cap = 0, caps[key]
+                pos = _WHITESPACE.match(text, pos + 1).end()
+                while text[pos] != "]":
+                    _element, pos = _scan_once(text, pos)
+                    count += 1
+                    if count > cap:
+                        return key, model
+                    pos = _WHITESPACE.match(text, pos).end()
+                    if text[pos] == ",":
+                        pos = _WHITESPACE.match(text, pos + 1).end()
+                    elif text[pos] != "]":
+                        return None
+                pos += 1
+            else:
+                value, pos = _scan_once(text, pos)
+                if key == "model" and isinstance(value, str):
+                    model = value
+            pos = _WHITESPACE.match(text, pos).end()
+            if text[pos] != ",":
+                return None
+            pos = _WHITESPACE.match(text, pos + 1).end()
+    except (ValueError, IndexError, StopIteration, RecursionError):  # not plain JSON: the parser's call
+        return None
+    return None
 
 
 INFERENCE_HEADER = "Inference-Header-Content-Length"  # bytes of JSON before the binary tensor data

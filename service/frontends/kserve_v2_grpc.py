@@ -108,7 +108,8 @@ class GRPCInferenceServicer:
         if request.model_name in self.registry.runners:
             scope.model = request.model_name
         runner = oip.lookup(self.registry, request.model_name, request.model_version)
-        scope.task = runner.task or scope.task
+        # zero-shot and rerank requests to a classification model are labelled with their operation
+        scope.task = oip.operation(runner.task or "", [i.name for i in request.inputs]) or scope.task
         scope.count_inflight()
         oip.check_input_count(runner.task or "", len(request.inputs))
         inputs = _inputs(request, runner.name, oip.max_elements(runner))

@@ -27,6 +27,10 @@ translation     ``text`` [N]                                 ``translation`` BYT
                                                              or [N, n_best] best first when ``n_best`` is sent
 =============== ============================================ ==================================================
 
+Zero-shot classification and rerank (on a classification model, selected by the inputs
+``candidate_labels`` and ``query``) and token classification: :mod:`.oip_pipeline`, whose tensors a model's
+metadata lists after its own where the model is made for them (:func:`.oip_pipeline.metadata`).
+
 Request parameters (relserve.v1's request fields of the same name, same defaults and ranges; 0 = default):
 classification ``top_k``, ``function_to_apply`` (string: the scores of ``probabilities`` and the order of
 ``label``); qa ``top_k``, ``max_answer_len``, ``doc_stride``, ``allow_impossible``, ``null_threshold``,
@@ -59,37 +63,23 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-import numpy
-
 from ..backends.base import TASK_CLASSIFICATION, TASK_QA, TASK_TRANSLATION
 from ..errors import InvalidArgument, NotFound, Unavailable, shown
 from ..registry import ModelRegistry
 from ..runner import Runner
 from ..tasks import classify, qa, translate
 from ..tasks.limits import check_request_size
+from . import oip_pipeline
+from .oip_tensors import (_BOOL, _INT, _NUMBER, _STRING, BOOL, BYTES, FP32, INT64, Tensor, check_parameters,
+                          decode_text, describe, output)
 
 SERVER_NAME = "relserve"
 MODEL_VERSION = "1"  # every served model has exactly this one version
-BYTES, FP32, INT64, BOOL = "BYTES", "FP32", "INT64", "BOOL"
 # the protocol extensions served, as named in the server metadata (Triton's names)
 EXTENSIONS = ("binary_tensor_data",)
 BINARY_DATA_SIZE = "binary_data_size"  # input / response output parameter: bytes of binary data
 BINARY_DATA = "binary_data"  # requested output parameter: true = this output as binary data
 BINARY_DATA_OUTPUT = "binary_data_output"  # request parameter: the default of every output's binary_data
-
-
-@dataclass(frozen=True)
-class Tensor:
-    """One input or output tensor.
-
-    ``data`` is the flattened, row-major list of ``prod(shape)`` elements: ``bytes`` for BYTES (inputs may
-    also carry ``str``, taken as already decoded), ``float`` for FP32, ``int`` for INT64, ``bool`` for BOOL.
-    """
-
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
-    data: list
 
 
 @dataclass(frozen=True)
@@ -128,33 +118,12 @@ _OUTPUTS = {
     TASK_QA: ("answer", "start", "end", "score", "is_impossible"),
     TASK_TRANSLATION: ("translation",),
 }
-_INT, _BOOL, _NUMBER, _STRING = "an integer", "a boolean", "a number", "a string"
 _PARAMETERS = {
     TASK_CLASSIFICATION: {"top_k": _INT, "function_to_apply": _STRING},
     TASK_QA: {"top_k": _INT, "max_answer_len": _INT, "doc_stride": _INT, "allow_impossible": _BOOL,
               "null_threshold": _NUMBER, "align_to_words": _BOOL},
     TASK_TRANSLATION: {"beam_size": _INT, "n_best": _INT, "max_length": _INT},
 }
-
-
-def describe(value: Any) -> str:
-    """``value``'s kind in words, for error messages: "null", "a boolean", "an integer", "a number",
-    "a string", "a list", "an object", "bytes" (else the Python type name)."""
-    if value is None:
-        return "null"
-    for kind, words in ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
-                        ((list, tuple), "a list"), (dict, "an object"), ((bytes, bytearray, memoryview), "bytes")):
-        if isinstance(value, kind):
-            return words
-    return f"a {type(value).__name__}"
-
-
-def output(name: str, datatype: str, shape: tuple[int, ...], data: list) -> Tensor:
-    """An output tensor; FP32 elements are rounded to float32 here, the one place, so that a JSON reply
-    prints the numbers a gRPC reply's ``fp32_contents`` / raw float32 bytes carry."""
-    if datatype == FP32:
-        data = numpy.asarray(data, dtype=numpy.float32).tolist()  # tolist: Python floats of the float32 values
-    return Tensor(name, datatype, tuple(shape), data)
 
 
 _PARAMETER_HINTS = {
@@ -245,7 +214,8 @@ def check_input_count(task: str, n: int) -> None:
     Raises:
         InvalidArgument: ``n`` > the task's inputs (names them).
     """
-    if task in _INPUTS and n > len(_INPUTS[task]):
+    if (task in _INPUTS or oip_pipeline.most_inputs(task)) and n > max(len(_INPUTS.get(task, ())),
+                                                                       oip_pipeline.most_inputs(task)):
         raise InvalidArgument(f"the request has {n} inputs; a {task} model takes {_describe_inputs(task)}")
 
 
@@ -357,8 +327,12 @@ def model_metadata(registry: ModelRegistry, name: str, version: str = "") -> Mod
     if task is None:
         raise Unavailable(f"model {name!r} is not loaded yet (state: {runner.state}); retry later")
     info = runner.info()
-    inputs = tuple(TensorMetadata(n, BYTES, (-1,)) for n in _INPUTS[task])
-    if task == TASK_CLASSIFICATION:
+    inputs = tuple(TensorMetadata(n, BYTES, (-1,)) for n in _INPUTS.get(task, ()))
+    extra_inputs, extra_outputs = oip_pipeline.metadata(task, info.labels)
+    inputs += tuple(TensorMetadata(*t) for t in extra_inputs)
+    if task not in _OUTPUTS:
+        outputs: tuple[TensorMetadata, ...] = ()
+    elif task == TASK_CLASSIFICATION:
         outputs = (TensorMetadata("probabilities", FP32, (-1, len(info.labels) or -1)),
                    TensorMetadata("label", BYTES, (-1,)))
     elif task == TASK_QA:
@@ -366,7 +340,14 @@ def model_metadata(registry: ModelRegistry, name: str, version: str = "") -> Mod
         outputs = tuple(TensorMetadata(n, types[n], (-1, -1)) for n in _OUTPUTS[task])
     else:
         outputs = (TensorMetadata("translation", BYTES, (-1,)),)
+    outputs += tuple(TensorMetadata(*t) for t in extra_outputs)
     return ModelMetadata(name, (MODEL_VERSION,), f"relserve_{info.backend}", inputs, outputs)
+
+
+def operation(task: str, input_names: Sequence[str]) -> str:
+    """What a request with inputs ``input_names`` asks of a ``task`` model (the metrics ``task`` label):
+    :func:`.oip_pipeline.operation`."""
+    return oip_pipeline.operation(task, input_names)
 
 
 def lookup(registry: ModelRegistry, name: str, version: str = "") -> Runner:
@@ -412,6 +393,9 @@ async def infer_on(runner: Runner, inputs: Sequence[Tensor], parameters: Mapping
         RelserveError: from the runner, as relserve.v1 (queue full, deadline, draining, model failure).
     """
     task = runner.task or ""
+    op = operation(task, [t.name for t in inputs])
+    if oip_pipeline.handles(op):
+        return await oip_pipeline.infer_on(runner, op, inputs, parameters or {}, requested_outputs or (), deadline)
     params = _parameters(task, parameters or {})
     wanted = _requested(task, requested_outputs or ())
     texts = _texts(task, inputs)
@@ -428,21 +412,7 @@ async def infer_on(runner: Runner, inputs: Sequence[Tensor], parameters: Mapping
 
 
 def _parameters(task: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
-    known = _PARAMETERS.get(task, {})
-    out = {}
-    for name, value in parameters.items():
-        kind = known.get(name)
-        if kind is None:
-            raise InvalidArgument(f"unknown parameter {shown(name)} for a {task} model; known parameters: "
-                                  f"{sorted(known)}")
-        ok = {_INT: isinstance(value, int) and not isinstance(value, bool),
-              _BOOL: isinstance(value, bool),
-              _STRING: isinstance(value, str),
-              _NUMBER: isinstance(value, (int, float)) and not isinstance(value, bool)}[kind]
-        if not ok:
-            raise InvalidArgument(f"parameter {name!r} must be {kind}, got {describe(value)} {shown(str(value))}")
-        out[name] = value
-    return out
+    return check_parameters(f"a {task} model", _PARAMETERS.get(task, {}), parameters)
 
 
 def _requested(task: str, names: Sequence[str]) -> set[str]:
@@ -477,7 +447,7 @@ def _texts(task: str, inputs: Sequence[Tensor]) -> dict[str, list[str]]:
                                   f"row)")
         if len(tensor.data) != shape[0]:
             raise InvalidArgument(f"input {name!r} has shape {list(shape)} but {len(tensor.data)} elements")
-        out[name] = [_decode(name, i, v) for i, v in enumerate(tensor.data)]
+        out[name] = [decode_text(name, i, v) for i, v in enumerate(tensor.data)]
     for name, required in expected.items():
         if required and name not in out:
             raise InvalidArgument(f"input {name!r} is missing; a {task} model takes {_describe_inputs(task)}")
@@ -491,24 +461,6 @@ def _texts(task: str, inputs: Sequence[Tensor]) -> dict[str, list[str]]:
 
 def _describe_inputs(task: str) -> str:
     return ", ".join(f"{n!r} ({'required' if r else 'optional'})" for n, r in _INPUTS[task].items())
-
-
-def _decode(name: str, index: int, value: Any) -> str:
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")  # a JSON "\ud800" is a str that no UTF-8 (and no tokenizer) can take
-        except UnicodeEncodeError as exc:
-            raise InvalidArgument(f"input {name!r}[{index}] is not valid UTF-8 text (an unpaired surrogate at "
-                                  f"character {exc.start})") from None
-        return value
-    if not isinstance(value, (bytes, bytearray, memoryview)):
-        raise InvalidArgument(f"input {name!r}[{index}] is {describe(value)}; BYTES elements must be UTF-8 "
-                              f"strings")
-    try:
-        return bytes(value).decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidArgument(f"input {name!r}[{index}] is not valid UTF-8 ({exc.reason} at byte {exc.start})") \
-            from None
 
 
 async def _classify(runner: Runner, inputs: dict[str, list[str]], params: dict[str, Any],

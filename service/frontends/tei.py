@@ -27,9 +27,13 @@ huggingface/text-embeddings-inference 1.9):
                                  model's config (``max_queue_size``, the effective ``max_seq_len``,
                                  ``max_batch_tokens``, ``max_batch_size``, ``max_request_texts``; the
                                  tokenization threads per model). A classification model only.
+``POST {base}/rerank``           ``{"query", "texts", "raw_scores"?: false, "return_text"?: false,
+                                 "truncate"?: false, "truncation_direction"?: "Right"}`` -> ``[{"index",
+                                 "score", "text"?}, ...]`` best first: each (query, text) pair scored by a
+                                 classification model (a one-label cross-encoder's sigmoid; ``raw_scores``: its
+                                 logit); ``text`` only with ``return_text``. ``texts`` 1..``max_rerank_texts``
+                                 (model config; empty: ``Empty``); ``truncate`` as ``/predict``.
 ================================ ==============================================================================
-
-``POST {base}/rerank`` comes with the rerank task: one more entry of :data:`ROUTES` and its handler.
 
 Errors are TEI's ``{"error": message, "error_type": kind}`` with TEI's status for the kind: ``Validation``
 422 (bad input, over a limit; a body that is not a JSON object too), ``Empty`` 400 (no inputs),
@@ -49,9 +53,10 @@ import grpc
 from aiohttp import web
 
 from ..backends.base import TASK_CLASSIFICATION
-from ..errors import FailedPrecondition, InvalidArgument
+from ..errors import FailedPrecondition, InvalidArgument, shown
 from ..runner import TOKENIZATION_THREADS
 from ..tasks import classify as classify_task
+from ..tasks import rerank as rerank_task
 from ..tasks import tokens as tokens_task
 from ..tasks.limits import check_request_size
 from . import http_calls
@@ -60,9 +65,11 @@ from .oip_codec import describe, server_metadata
 
 PROTOCOL = "tei"
 # the routes under a model's base URL: (method, path after the base, handler name of _Tei)
-ROUTES = (("POST", "predict", "predict"), ("POST", "tokenize", "tokenize"), ("GET", "info", "info"))
+ROUTES = (("POST", "predict", "predict"), ("POST", "tokenize", "tokenize"), ("GET", "info", "info"),
+          ("POST", "rerank", "rerank"))
 _PREDICT_FIELDS = ("inputs", "truncate", "truncation_direction", "raw_scores")
 _TOKENIZE_FIELDS = ("inputs", "add_special_tokens", "prompt_name")
+_RERANK_FIELDS = ("query", "texts", "raw_scores", "return_text", "truncate", "truncation_direction")
 
 
 class Empty(InvalidArgument):
@@ -143,6 +150,17 @@ def _sequences(inputs: Any) -> tuple[list[tuple[str, str | None]], bool]:
     return out, True
 
 
+def _direction(direction: Any) -> None:
+    """TEI's ``truncation_direction``: only ``Right`` is served.
+
+    Raises:
+        InvalidArgument: any other value.
+    """
+    if direction is not None and direction not in ("Right", "right"):
+        raise InvalidArgument(f"truncation_direction {shown(str(direction))} is not served; relserve truncates on "
+                              f"the right (Right), longest first for a pair")
+
+
 class _Tei:
     """The handlers of :data:`ROUTES`, on the transport ``core``."""
 
@@ -164,6 +182,31 @@ class _Tei:
         return await http_calls.serve(self.core, request, protocol=PROTOCOL, name=request.match_info["name"],
                                       handle=self._info, error=error, read_body=False)
 
+    async def rerank(self, request: web.Request) -> web.Response:
+        """``POST {base}/rerank``."""
+        return await http_calls.serve(self.core, request, protocol=PROTOCOL, name=request.match_info["name"],
+                                      handle=self._rerank, error=error,
+                                      operation=lambda runner, body: rerank_task.TASK_RERANK)
+
+    async def _rerank(self, runner: Any, body: dict, deadline: float | None) -> list:
+        http_calls.obj(body, "the request body", _RERANK_FIELDS)
+        if runner.task != TASK_CLASSIFICATION:
+            raise FailedPrecondition("model is not a re-ranker model")
+        query = http_calls.text(body.get("query"), "query")
+        texts = body.get("texts")
+        if not isinstance(texts, list):
+            raise InvalidArgument(f"texts must be a list of strings, got {describe(texts)}")
+        if not texts:
+            raise Empty("`texts` cannot be empty")
+        texts = http_calls.strings(texts, "texts")
+        flags = {key: False if body.get(key) is None else http_calls.boolean(body[key], key)
+                 for key in ("raw_scores", "return_text", "truncate")}
+        _direction(body.get("truncation_direction"))
+        validated = rerank_task.validate_rerank(runner, query, texts, 0, **flags)
+        items, _timings = await rerank_task.rerank(runner, validated, deadline)
+        return [{"index": item.index, "score": item.score, **({"text": item.text} if flags["return_text"] else {})}
+                for item in items]
+
     async def _predict(self, runner: Any, body: dict, deadline: float | None) -> list:
         http_calls.obj(body, "the request body", _PREDICT_FIELDS)
         if runner.task != TASK_CLASSIFICATION:
@@ -171,10 +214,7 @@ class _Tei:
         sequences, batch = _sequences(body.get("inputs"))
         truncate = body.get("truncate")
         truncate = False if truncate is None else http_calls.boolean(truncate, "truncate")
-        direction = body.get("truncation_direction")
-        if direction is not None and direction not in ("Right", "right"):
-            raise InvalidArgument(f"truncation_direction {direction!r} is not served; relserve truncates on the "
-                                  f"right (Right), longest first for a pair")
+        _direction(body.get("truncation_direction"))
         raw_scores = body.get("raw_scores")
         raw_scores = False if raw_scores is None else http_calls.boolean(raw_scores, "raw_scores")
         labels = runner.info().labels

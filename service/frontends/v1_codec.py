@@ -12,7 +12,8 @@ from relserve.models.decode_types import DecodeOptions
 from .._proto import inference_pb2
 from ..registry import ModelRegistry
 from ..tasks import classify as classify_task
-from ..tasks import qa, translate as translate_task
+from ..tasks import qa, rerank as rerank_task, token_classification, translate as translate_task
+from ..tasks import zero_shot
 from ..tasks.translate import StreamEvent, TranslationItem
 
 
@@ -61,6 +62,50 @@ async def answer(runner: Any, request: Any, deadline: float | None) -> Any:
     reply = inference_pb2.AnswerResponse(num_windows=result.num_windows)
     for a in result.answers:
         reply.answers.add(text=a.text, start=a.start, end=a.end, score=a.score, is_impossible=a.is_impossible)
+    return reply
+
+
+async def zero_shot_classify(runner: Any, request: Any, deadline: float | None) -> Any:
+    """A ``ZeroShotClassifyRequest`` on ``runner`` (a classification model) -> ``ZeroShotClassifyResponse``."""
+    # the repeated fields themselves: validate_zero_shot counts them before copying
+    validated = zero_shot.validate_zero_shot(runner, request.texts, request.candidate_labels,
+                                             request.hypothesis_template, bool(request.multi_label))
+    items, _timings = await zero_shot.zero_shot(runner, validated, deadline)
+    reply = inference_pb2.ZeroShotClassifyResponse()
+    for item in items:
+        r = reply.results.add(sequence=item.sequence, truncated=item.truncated, num_tokens=item.num_tokens)
+        for label, score in zip(item.labels, item.scores):
+            r.labels.add(label=label, score=score)
+    return reply
+
+
+async def classify_tokens(runner: Any, request: Any, deadline: float | None) -> Any:
+    """A ``ClassifyTokensRequest`` on ``runner`` (a token-classification model) -> ``ClassifyTokensResponse``."""
+    validated = token_classification.validate_token_classification(
+        runner, request.texts, request.aggregation_strategy,
+        ignore_labels=request.ignore_labels.labels if request.HasField("ignore_labels") else None,
+        stride=int(request.stride) if request.HasField("stride") else None)
+    items, _timings = await token_classification.classify_tokens(runner, validated, deadline)
+    reply = inference_pb2.ClassifyTokensResponse()
+    for item in items:
+        r = reply.results.add(num_windows=item.num_windows, num_tokens=item.num_tokens)
+        for e in item.entities:
+            entity = r.entities.add(entity_group=e.entity_group or "", entity=e.entity or "", score=e.score,
+                                    word=e.word, start=e.start, end=e.end)
+            if e.index is not None:
+                entity.index = e.index
+    return reply
+
+
+async def rerank(runner: Any, request: Any, deadline: float | None) -> Any:
+    """A ``RerankRequest`` on ``runner`` (a classification model) -> ``RerankResponse``."""
+    validated = rerank_task.validate_rerank(
+        runner, request.query, request.texts, top_n=int(request.top_n), raw_scores=bool(request.raw_scores),
+        return_text=bool(request.return_text), truncate=request.truncate if request.HasField("truncate") else True)
+    items, _timings = await rerank_task.rerank(runner, validated, deadline)
+    reply = inference_pb2.RerankResponse()
+    for item in items:
+        reply.results.add(index=item.index, score=item.score, text=item.text or "")
     return reply
 
 

@@ -301,6 +301,8 @@ class QueueScheduler(Generic[U]):
         self._suspended: str | None = None  # why the model cannot compute now (suspend); None: it can
         self._lane = compute if compute is not None else ComputeScheduler("shared").lane(name)
         self.drain = DrainEstimate()  # retry guidance for queue-full refusals
+        # attributes of every backend call's span (service/tracing.py); the runner adds the backend and dtype
+        self.trace_attributes: dict[str, Any] = {"relserve.model": name}
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -57,6 +57,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from .. import tracing
 from ..errors import ResourceExhausted
 from .base import QueueScheduler, Reservation
 from .cores import Lane
@@ -84,6 +85,7 @@ class Unit:
     # the request the unit belongs to (the fairness cap counts units per request); the default gives every
     # unit its own id, i.e. no cap applies to units created outside submit()
     request: int = field(default_factory=lambda: next(_request_ids))
+    trace: tracing.RequestTrace | None = None  # the request's call, with tracing on (shared by its units)
 
     @property
     def result(self) -> Any:
@@ -209,8 +211,9 @@ class Batcher(QueueScheduler[Unit]):
 
         def make(loop: asyncio.AbstractEventLoop, now: float) -> list[Unit]:
             request = next(_request_ids)
+            trace = tracing.request(self.name, now) if tracing.ENABLED else None
             return [Unit(tokens=int(tokens), payload=payload, deadline=deadline, future=loop.create_future(),
-                         enqueued_at=now, request=request)
+                         enqueued_at=now, request=request, trace=trace)
                     for tokens, payload in items]
 
         return self._enqueue(len(items), deadline, reservation, make)
@@ -376,6 +379,10 @@ class Batcher(QueueScheduler[Unit]):
         longest = max(u.tokens for u in batch)
         real = sum(u.tokens for u in batch)
         padded = self._cost(len(batch), longest, real)
+        if tracing.ENABLED:
+            tracing.backend_call((u.trace for u in batch), start, start + elapsed, {
+                **self.trace_attributes, "relserve.batch.size": len(batch), "relserve.batch.real_tokens": real,
+                "relserve.batch.padded_tokens": padded}, failed)
         if not failed:
             self.cost_model.observe(padded, compute_s)
             self.batch_cost.observe([u.tokens for u in batch], compute_s, is_padded=self.is_padded)

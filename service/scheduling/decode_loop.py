@@ -61,6 +61,7 @@ from typing import Callable, Sequence
 
 from relserve.models.decode_types import DecodeOptions, Hypothesis
 
+from .. import tracing
 from ..backends.base import SeqUpdate, StartItem, StepBackend, StepPlan
 from ..config import SCHEDULING
 from ..errors import DeadlineExceeded, Internal
@@ -107,6 +108,7 @@ class DecodeSeq:
     decode_s: float = 0.0     # sum of the steps it took part in
     steps: int = 0
     live: int = 0
+    trace: tracing.RequestTrace | None = None  # the request's call, with tracing on
 
     @property
     def tokens(self) -> int:
@@ -241,8 +243,9 @@ class DecodeLoop(QueueScheduler[DecodeSeq]):
         """
 
         def make(loop: asyncio.AbstractEventLoop, now: float) -> list[DecodeSeq]:
+            trace = tracing.request(self.name, now) if tracing.ENABLED else None
             return [DecodeSeq(seq_id=next(self._ids), source_ids=list(ids), options=options, deadline=deadline,
-                              future=loop.create_future(), on_update=on_update, enqueued_at=now)
+                              future=loop.create_future(), on_update=on_update, enqueued_at=now, trace=trace)
                     for ids, options in items]
 
         return self._enqueue(len(items), deadline, reservation, make)
@@ -420,6 +423,11 @@ class DecodeLoop(QueueScheduler[DecodeSeq]):
         self._active.extend(joined)
         await self._release(dropped)
         longest = max(s.tokens for s in batch)
+        if tracing.ENABLED:
+            tracing.backend_call((s.trace for s in batch), start, start + elapsed, {
+                **self.trace_attributes, "relserve.phase": "encode", "relserve.batch.size": len(batch),
+                "relserve.batch.real_tokens": sum(s.tokens for s in batch),
+                "relserve.batch.padded_tokens": len(batch) * longest}, failed)
         try:
             self.observer.encoded(len(batch), sum(s.tokens for s in batch), len(batch) * longest, elapsed,
                                   [s.queue_s for s in batch])
@@ -481,6 +489,10 @@ class DecodeLoop(QueueScheduler[DecodeSeq]):
                     fail(s, Internal(f"model {self.name!r} finished a text with no hypotheses"))
                 else:
                     s.future.set_result(up.results)
+                if s.trace is not None:  # the text's decoder steps, summarised: never a span per step
+                    tracing.record_for(s.trace, "relserve.decode", s.enqueued_at + s.queue_s + s.encode_s,
+                                       time.monotonic(), {"relserve.decode.steps": s.steps,
+                                                          "relserve.decode.step_seconds": s.decode_s})
                 s.live = 0
                 finished.add(id(s))
                 continue

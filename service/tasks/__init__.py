@@ -8,6 +8,8 @@ types (dataclasses) that every frontend encodes. Tokenizers are `relserve.models
 from ``Tokenizer.qa_windows``, answers from ``relserve.models.qa_spans``).
 `translate`: validate_translate -> DecodeOptions; :func:`translate.translate` -> ``TranslationItem`` per text,
 :func:`translate.translate_stream` -> ``StreamEvent``s.
+`zero_shot`: validate_zero_shot; :func:`zero_shot.zero_shot` -> ``ZeroShotItem`` per text (NLI pairs).
+`rerank`: validate_rerank; :func:`rerank.rerank` -> ``RerankItem`` per kept text ((query, text) pairs).
 `timings`: the per-request ``Timings`` a result carries. `text`: what counts as blank.
 `limits`: the per-request size limits every task shares (``max_request_texts``, ``max_request_chars``).
 

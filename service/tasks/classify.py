@@ -12,7 +12,7 @@ saved with ``num_labels=1`` and no ``problem_type``; TEI's rerank does the same)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -179,6 +179,35 @@ def model_default_function(runner: Any) -> str:
     return default_function(m.problem_type, len(m.labels)) if m and m.task == TASK_CLASSIFICATION else ""
 
 
+async def run_encoded(runner: Any, n_units: int, deadline: float | None, encode: Callable[..., list[Encoding]],
+                      *args: Any) -> tuple[list[Encoding], list[Any], Timings]:
+    """One request's sequences through ``runner``'s batcher: ``n_units`` places reserved first (a full queue
+    refuses the request, RESOURCE_EXHAUSTED, before any tokenizing), then ``encode(*args)`` in the model's
+    tokenization threads (it must return ``n_units`` encodings; whatever it raises, e.g. InvalidArgument for an
+    input found too long, releases the places and reaches the caller with no model work done), then one unit per
+    encoding, all submitted as one request (the fairness cap counts them together), and waited for.
+
+    Returns:
+        ``(encodings, units, timings)``: the units in the encodings' order, each ``unit.result`` the backend's
+        output for that sequence (a classification head: ``Float[num_labels]`` logits).
+
+    Raises:
+        Unavailable: the model is not ready.
+        Internal: ``encode`` returned another number of encodings.
+        RelserveError: from ``encode`` or the batcher (queue full, deadline, shutting down, model failure).
+    """
+    batcher = runner.check_ready()
+    timings = Timings()
+    with batcher.reserve(n_units, deadline) as reservation:
+        encodings, timings.tokenization_s = await runner.tokenize(encode, *args)
+        if len(encodings) != n_units:
+            raise Internal(f"the request's encoder returned {len(encodings)} sequences for {n_units} places")
+        units = batcher.submit([(len(e.input_ids), e) for e in encodings], deadline, reservation)
+    units = await batcher.wait(units, deadline)
+    timings.add_units(units)
+    return encodings, units, timings
+
+
 async def classify(runner: Any, texts: Sequence[str], pairs: Sequence[str] | None, top_k: int,
                    deadline: float | None,
                    function_to_apply: str | None = None) -> tuple[list[ClassifyItem], Timings]:
@@ -195,16 +224,12 @@ async def classify(runner: Any, texts: Sequence[str], pairs: Sequence[str] | Non
         InvalidArgument: ``max_seq_len`` too small for a text or pair (:func:`preprocess`).
         RelserveError: from the batcher (queue full, deadline, shutting down, model failure).
     """
-    batcher = runner.check_ready()
+    runner.check_ready()
     meta = runner.meta
-    timings = Timings()
-    with batcher.reserve(len(texts), deadline) as reservation:
-        encodings, timings.tokenization_s = await runner.tokenize(
-            preprocess, meta.tokenizer, list(texts), list(pairs) if pairs else None, runner.max_seq_len,
-        )
-        units = batcher.submit([(len(e.input_ids), e) for e in encodings], deadline, reservation)
-    units = await batcher.wait(units, deadline)
-    timings.add_units(units)
+    encodings, units, timings = await run_encoded(
+        runner, len(texts), deadline, preprocess, meta.tokenizer, list(texts), list(pairs) if pairs else None,
+        runner.max_seq_len,
+    )
     id2label = {i: label for i, label in enumerate(meta.labels)}
     items = []
     for enc, unit in zip(encodings, units):

@@ -33,6 +33,9 @@ HTTP_ROUTES = {
     "POST /v1/classify": r"/v1/classify",
     "POST /v1/answer": r"/v1/answer",
     "POST /v1/translate": r"/v1/translate",
+    "POST /v1/zero-shot-classify": r"/v1/zero-shot-classify",
+    "POST /v1/classify-tokens": r"/v1/classify-tokens",
+    "POST /v1/rerank": r"/v1/rerank",
     "GET /metrics": r"/metrics",
 }
 

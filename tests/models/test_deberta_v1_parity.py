@@ -146,12 +146,14 @@ def test_refusals_list_exactly_what_is_supported(tmp_path, tmp_path_factory):
     cfg = json.loads((d / "config.json").read_text())
     bad = tmp_path / "bad"
     bad.mkdir()
-    want = ("model_type 'deberta-v2': DebertaV2ForSequenceClassification, DebertaV2ForQuestionAnswering; "
-            "model_type 'deberta': DebertaForSequenceClassification, DebertaForQuestionAnswering")
+    want = ("model_type 'deberta-v2': DebertaV2ForSequenceClassification, DebertaV2ForQuestionAnswering, "
+            "DebertaV2ForTokenClassification; model_type 'deberta': DebertaForSequenceClassification, "
+            "DebertaForQuestionAnswering, DebertaForTokenClassification")
     assert set(SUPPORTED_ARCHITECTURES) == {"DebertaV2ForSequenceClassification", "DebertaV2ForQuestionAnswering",
-                                            "DebertaForSequenceClassification", "DebertaForQuestionAnswering"}
+                                            "DebertaV2ForTokenClassification", "DebertaForSequenceClassification",
+                                            "DebertaForQuestionAnswering", "DebertaForTokenClassification"}
     cases = [
-        (cfg | {"architectures": ["DebertaForTokenClassification"]}, "DebertaForTokenClassification"),  # NER
+        (cfg | {"architectures": ["DebertaForMaskedLM"]}, "DebertaForMaskedLM"),  # a pre-training head
         (cfg | {"architectures": ["DebertaV2ForSequenceClassification"]}, "for model_type 'deberta'"),
         (cfg | {"model_type": "bert"}, "model_type 'bert' is not supported"),
     ]

@@ -156,6 +156,9 @@ class _LeftContext:
     def time_remaining(self):
         return None
 
+    def invocation_metadata(self):
+        return ()
+
     async def write(self, message) -> None:
         self.writes += 1
         raise ExecuteBatchError('Failed "execute_batch"')  # what grpc's server call raises for a gone client

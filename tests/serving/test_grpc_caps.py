@@ -193,6 +193,51 @@ def test_max_concurrent_rpcs_refuses_at_once_while_health_answers_and_unsent_req
         held_channel.close()
 
 
+def test_a_call_refused_over_max_concurrent_rpcs_is_retried_by_a_client_retry_policy(srv):
+    """The refusal is trailers-only (an abort, not a status after an empty message), so a client's retry policy
+    may retry it: the retried attempt is answered once the held calls leave; a client without one gets the
+    refusal's message."""
+    server, channel = srv
+    release = threading.Event()
+    held_channel = grpc.insecure_channel(server.target, options=[("grpc.use_local_subchannel_pool", 1)])
+    # attempts a random 0..1 s apart (gRFC A6 jitter): the held calls are released between two of them
+    policy = {"methodConfig": [{"name": [{"service": "relserve.v1.Inference"}], "retryPolicy": {
+        "maxAttempts": 5, "initialBackoff": "1s", "maxBackoff": "1s", "backoffMultiplier": 1,
+        "retryableStatusCodes": ["RESOURCE_EXHAUSTED"]}}]}
+    retrying = grpc.insecure_channel(server.target, options=[
+        ("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(policy)),
+        ("grpc.use_local_subchannel_pool", 1)])
+    stub = pb_grpc.InferenceStub(channel)
+    refused_before = _requests_total(server, "_unknown_", "RESOURCE_EXHAUSTED")
+    try:
+        held = [_held_call(held_channel, release) for _ in range(MAX_CALLS)]
+        refused: list[grpc.RpcError] = []
+
+        def full() -> bool:
+            try:
+                stub.ListModels(pb.ListModelsRequest(), timeout=10)
+            except grpc.RpcError as exc:
+                refused.append(exc)
+                return True
+            return False
+
+        _wait_for(full, READ_TIMEOUT_S, "a call refused while the held calls fill the server")
+        assert refused[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused[0]
+        assert "maximum of 4 concurrent calls (max_concurrent_rpcs)" in refused[0].details()
+        seen = _requests_total(server, "_unknown_", "RESOURCE_EXHAUSTED")
+        call = pb_grpc.InferenceStub(retrying).ListModels.future(pb.ListModelsRequest(), timeout=20)
+        _wait_for(lambda: _requests_total(server, "_unknown_", "RESOURCE_EXHAUSTED") > seen, READ_TIMEOUT_S,
+                  "the retrying client's first attempt to be refused")
+        release.set()  # the held calls end; a later attempt finds a free slot
+        assert call.result(timeout=20).models  # answered: the refusal was retried
+        assert len(held) == MAX_CALLS
+    finally:
+        release.set()
+        held_channel.close()
+        retrying.close()
+    assert _requests_total(server, "_unknown_", "RESOURCE_EXHAUSTED") - refused_before >= 2
+
+
 def test_a_translate_stream_whose_reader_stops_is_ended_after_the_write_timeout(srv):
     server, _channel = srv
     before = _requests_total(server, "tr", "DEADLINE_EXCEEDED")
@@ -251,3 +296,8 @@ def test_the_wire_count_agrees_with_the_parser_and_leaves_odd_bytes_to_it():
     padded = b"\x98\x06\x01" * 5000 + pb.ClassifyRequest(texts=["x"] * 2000).SerializeToString()  # unknown field 99
     assert len(deserialize(padded).texts) == 2000  # past the walk's budget: parsed, the task refuses it
     assert isinstance(deserialize(b"\x12\x05ab"), MalformedRequest)  # truncated: the parser's verdict
+    labels = counting_deserializer(pb.ZeroShotClassifyRequest,
+                                   {"texts": 8, "candidate_labels": (64, "max_candidate_labels")})
+    refused = labels(pb.ZeroShotClassifyRequest(model="nli", texts=["x"],
+                                                candidate_labels=["a"] * 1025).SerializeToString())
+    assert "takes more than 64 per request (max_candidate_labels)" in str(refused.refusal())

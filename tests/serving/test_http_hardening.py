@@ -267,6 +267,41 @@ def test_a_large_body_is_decoded_off_the_event_loop(capped):
     assert http.decoded_off_loop == before + 1
 
 
+def test_too_many_texts_or_pairs_are_refused_before_protobuf_maps_the_body(capped, monkeypatch):
+    """/v1 bodies whose texts or text_pairs are over max_request_texts are refused on the parsed JSON's list
+    lengths: protobuf's ParseDict never builds the message, and the reply is the gRPC path's refusal."""
+    import grpc
+    from google.protobuf import json_format
+    from prometheus_client import REGISTRY
+
+    mapped = []
+    real = json_format.ParseDict
+    monkeypatch.setattr(json_format, "ParseDict", lambda *a, **kw: mapped.append(1) or real(*a, **kw))
+    limit = capped.server.registry.runners["sentiment"].config.max_request_texts
+    labels = {"model": "sentiment", "task": "classification", "code": "INVALID_ARGUMENT", "protocol": "http_v1"}
+    before = REGISTRY.get_sample_value("relserve_requests_total", labels) or 0.0
+    # just over the model's limit: the task's exact count; over the gRPC port's wire-count threshold (1024): its
+    # "more than" refusal, reached after that many element scans instead of a parse of them all
+    cases = [{"texts": ["a"] * (limit + 1)}, {"texts": ["a"], "textPairs": ["b"] * (limit + 1)},
+             {"texts": [], "text_pairs": ["b"] * (limit + 1)}, {"texts": ["a"] * 3000},
+             {"texts": ["a"], "text_pairs": ["b"] * 3000}]
+    for fields in cases:
+        with pytest.raises(grpc.RpcError) as wire:
+            capped.stub.Classify(pb.ClassifyRequest(model="sentiment", texts=fields["texts"],
+                                                    text_pairs=fields.get("textPairs", fields.get("text_pairs"))),
+                                 timeout=10)
+        with _connect(capped.server.http_port) as sock:
+            sock.sendall(_post("/v1/classify", json.dumps({"model": "sentiment", **fields}).encode()))
+            status, _, reply = _reply(sock)
+        assert status == 400 and json.loads(reply) == {"error": wire.value.details(), "code": "INVALID_ARGUMENT"}
+    assert "more than 1024 text_pairs" in wire.value.details()
+    assert mapped == []
+    assert REGISTRY.get_sample_value("relserve_requests_total", labels) == before + len(cases)
+    with _connect(capped.server.http_port) as sock:  # within the limit: mapped as before
+        sock.sendall(_post("/v1/classify", _classify_body(*["a"] * limit)))
+        assert _reply(sock)[0] == 200 and mapped == [1]
+
+
 # ---------------------------------------------------------------------- accept errors
 
 def test_accept_errors_are_logged_once_a_second_with_a_count(caplog):

@@ -303,21 +303,33 @@ def test_hf_errors_reach_the_client_with_their_status(hf_out):
 # ------------------------------------------------------------------------------ docs/api.md's table of calls
 
 
-def _table_calls() -> list[str]:
-    """The curl and grpcurl calls in the cells of docs/api.md's "Every surface, every task" table."""
+def _table_calls(models: tuple[str, ...] | None = None) -> list[str]:
+    """The curl and grpcurl calls in the cells of docs/api.md's "Every surface, every task" table; with
+    ``models``, those to one of them (tests/serving/test_pipeline_tasks_server.py runs the pipeline tasks')."""
     section = API_DOC.read_text(encoding="utf-8").split("\n## Every surface, every task\n", 1)[-1].split("\n## ")[0]
     rows = [line for line in section.splitlines() if line.startswith("| [")]
-    return [call for row in rows for call in re.findall(r"`((?:grpcurl|curl) [^`]+)`", row)]
+    calls = [call for row in rows for call in re.findall(r"`((?:grpcurl|curl) [^`]+)`", row)]
+    return calls if models is None else [c for c in calls if _table_model(c) in models]
+
+
+def _table_model(call: str) -> str:
+    """The model a table call names (its ``model`` / ``model_name`` field or its URL's ``/models/{name}``)."""
+    found = re.search(r'"model(?:_name)?": "([\w.-]+)"|/models/([\w.-]+)', call)
+    assert found, call
+    return found.group(1) or found.group(2)
 
 
 def test_the_api_table_has_a_call_per_surface_and_task():
     calls = _table_calls()
-    # 7 surfaces x 3 tasks, less TEI's QA and translation, plus TEI's /tokenize for a QA model
-    assert len(calls) == 20, calls
-    assert sum(c.startswith("grpcurl") for c in calls) == 6
+    # 7 surfaces x 3 tasks, less TEI's QA and translation, plus TEI's /tokenize for a QA model; then the pipeline
+    # tasks: zero-shot and token classification on 5 surfaces (not KServe v1, TEI), rerank on 5 (not KServe v1, HF)
+    assert len(calls) == 20 + 5 + 5 + 5, calls
+    assert sum(c.startswith("grpcurl") for c in calls) == 6 + 6
+    assert len(_table_calls((CLS, QA, TR))) == 20
 
 
-@pytest.mark.parametrize("call", _table_calls(), ids=lambda c: re.sub(r"[^\w/:.-]+", "_", c.split("-d")[0] + c[-40:]))
+@pytest.mark.parametrize("call", _table_calls((CLS, QA, TR)),
+                         ids=lambda c: re.sub(r"[^\w/:.-]+", "_", c.split("-d")[0] + c[-40:]))
 def test_the_api_tables_calls_run_as_written(srv, call):
     argv = shlex.split(call)
     body = argv[argv.index("-d") + 1] if "-d" in argv else None

@@ -214,9 +214,13 @@ def test_a_call_to_a_dead_worker_is_internal_naming_the_exit(checkpoints):
         be.close()
 
 
-def test_translation_models_are_refused(tmp_path):
-    with pytest.raises(ConfigError, match="worker_process is for encoder models"):
-        create_translation_backend(ModelConfig(name="tr", path=tmp_path, device="cpu", worker_process=True))
+def test_translation_models_are_served_by_decode_worker_processes(tmp_path):
+    # no longer refused: the registry runs the decode loops in worker processes (tests/serving/test_decode_workers.py)
+    from relserve.service.scheduling.decode_workers import DecodeWorkers
+
+    config = ModelConfig(name="tr", path=tmp_path, device="cpu", worker_process=True, decode_instances=2)
+    workers = DecodeWorkers(config, create_translation_backend(config).name)
+    assert len(workers.instances) == 2 and workers.pids == [None, None]  # nothing started before load()
 
 
 def test_unset_means_a_worker_for_encoder_models_only(checkpoints, tmp_path):

@@ -285,8 +285,8 @@ LAYERS = (
 )
 # what every layer may use and that uses no layer of service/ (models/ is a layer of its own)
 SHARED = ("relserve.service.errors", "relserve.service.metrics", "relserve.service.config", "relserve.service.auth",
-          "relserve.service.cpu_features", "relserve.service.drain", "relserve.service.health",
-          "relserve.service.reflection", "relserve.service._proto")
+          "relserve.service.secrets_watch", "relserve.service.cpu_features", "relserve.service.drain", "relserve.service.health",
+          "relserve.service.reflection", "relserve.service._proto", "relserve.service.tracing")
 # the wiring above every layer (it builds them all): free to import any of them
 WIRING = ("relserve.service", "relserve.service.server", "relserve.service.main")
 # one module per wire surface; the other frontends/ modules are the codecs and transports the surfaces share
