@@ -14,7 +14,18 @@ the server takes them, default: the built-in models), sends every dev row and sc
 * ``translate-de-en`` and ``translate-de-en-deberta``: sacrebleu corpus BLEU and chrF (sacrebleu defaults,
   one reference per row, rows sharing a source count separately) on ``translation/tatoeba_de_en_dev.jsonl``
   and the Ding ``translation/de_en_dev.jsonl``, beam 5 (``--beam``), plus the count of empty outputs, and
-  the translations of :data:`CARD_SENTENCES` (the samples the model cards show).
+  the translations of :data:`CARD_SENTENCES` (the samples the model cards show; also unpunctuated and
+  lower-cased, with :data:`CARD_TYPED`, under ``card_samples_typed``). Each set is scored in the
+  variants people type (``--variants``, :func:`relserve.models.training.translation.dev_variant`): ``written``
+  (as is: the set's top-level ``bleu``/``chrf``), ``nopunct`` (final ``.``/``!``/``?`` removed from source,
+  reference and output) and ``lower`` (removed, source lower-cased), side by side under ``variants`` with
+  each one's BLEU as a fraction of ``written`` under ``bleu_ratio``. ``--variant-refs written`` instead
+  changes only the sources and scores the outputs as they are against the written references (stricter: an
+  output without final punctuation loses against a punctuated reference).
+
+Quick runs: ``--limit N`` (the first N rows), ``--subset N`` (N rows spread evenly over each file: a fixed
+sample that is not the first rows the training runs picked checkpoints on), ``--sets tatoeba_dev`` and
+``--variants written,nopunct``.
 
 A model is evaluated by its task (ListModels), so a served name other than the defaults works with
 ``--task NAME=classification|qa|translation``. sacrebleu comes with the train extra
@@ -49,13 +60,21 @@ CARD_SENTENCES = [
     "Vielen Dank für deine Hilfe!",
 ]
 
+# As a new user types into a demo box (besides the card sentences unpunctuated and lower-cased).
+CARD_TYPED = ["Guten Morgen", "Danke", "danke schön", "Hallo", "Katze", "wo ist das hotel"]
+
 DEFAULT_TASKS = {"sentiment": "classification", "qa": "qa", "translate-de-en": "translation",
                  "translate-de-en-deberta": "translation"}
 
 
-def read_jsonl(path: Path, limit: int = 0) -> list[dict[str, Any]]:
+def read_jsonl(path: Path, limit: int = 0, subset: int = 0) -> list[dict[str, Any]]:
+    """The rows of a JSON Lines file: the first ``limit`` (0: all), then, with ``subset``, that many rows
+    spread evenly over them (row ``i * len // subset`` for ``i < subset``: fixed, no randomness)."""
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return rows[:limit] if limit else rows
+    rows = rows[:limit] if limit else rows
+    if subset and subset < len(rows):
+        rows = [rows[i * len(rows) // subset] for i in range(subset)]
+    return rows
 
 
 def squad_scores(preds: Sequence[str], rows: Sequence[dict[str, Any]]) -> dict[str, float]:
@@ -115,8 +134,17 @@ def eval_qa(client, model: str, data: Path, limit: int, concurrency: int) -> dic
     return out
 
 
-def eval_translation(client, model: str, data: Path, limit: int, concurrency: int, beam: int) -> dict[str, Any]:
+TRANSLATION_SETS = {"tatoeba_dev": "translation/tatoeba_de_en_dev.jsonl", "ding_dev": "translation/de_en_dev.jsonl"}
+
+
+def eval_translation(client, model: str, data: Path, limit: int, concurrency: int, beam: int,
+                     subset: int = 0, sets: Sequence[str] = tuple(TRANSLATION_SETS),
+                     variants: Sequence[str] = ("written", "nopunct", "lower"),
+                     variant_refs: str = "typed") -> dict[str, Any]:
+    """BLEU/chrF of ``model`` on each of ``sets`` in each of ``variants`` (see the module docstring)."""
     import sacrebleu
+
+    from relserve.models.training.translation import dev_variant, strip_final_punct
 
     def translate_all(sources: Sequence[str]) -> list[str]:
         def run(chunk):
@@ -126,18 +154,33 @@ def eval_translation(client, model: str, data: Path, limit: int, concurrency: in
         return [h for part in _pool_map(run, _chunks(sources, 8), concurrency) for h in part]
 
     out: dict[str, Any] = {}
-    for name, rel in (("tatoeba_dev", "translation/tatoeba_de_en_dev.jsonl"), ("ding_dev", "translation/de_en_dev.jsonl")):
-        rows = read_jsonl(data / rel, limit)
-        t0 = time.monotonic()
-        hyps = translate_all([r["source"] for r in rows])
-        refs = [r["target"] for r in rows]
-        out[name] = {
-            "bleu": round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2),
-            "chrf": round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2),
-            "empty_outputs": sum(1 for h in hyps if not h.strip()), "n": len(rows), "beam": beam,
-            "seconds": round(time.monotonic() - t0, 1),
-        }  # fmt: skip
+    for name in sets:
+        rows = read_jsonl(data / TRANSLATION_SETS[name], limit, subset)
+        pairs = [(r["source"], r["target"]) for r in rows]
+        per: dict[str, dict[str, Any]] = {}
+        for kind in variants:
+            t0 = time.monotonic()
+            var = dev_variant(pairs, kind)
+            hyps = translate_all([s for s, _ in var])
+            if variant_refs == "written":
+                var = [(s, t) for (s, _), (_, t) in zip(var, pairs)]
+            elif kind != "written":
+                # a translation of an unpunctuated source may end with or without punctuation
+                hyps = [strip_final_punct(h) for h in hyps]
+            refs = [t for _, t in var]
+            per[kind] = {
+                "bleu": round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2),
+                "chrf": round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2),
+                "empty_outputs": sum(1 for h in hyps if not h.strip()), "seconds": round(time.monotonic() - t0, 1),
+            }  # fmt: skip
+        out[name] = {**per.get("written", {}), "n": len(rows), "beam": beam, "variant_refs": variant_refs,
+                     "variants": per}
+        if "written" in per and per["written"]["bleu"] > 0:
+            out[name]["bleu_ratio"] = {k: round(v["bleu"] / per["written"]["bleu"], 3)
+                                       for k, v in per.items() if k != "written"}
     out["card_samples"] = dict(zip(CARD_SENTENCES, translate_all(CARD_SENTENCES)))
+    typed = [strip_final_punct(s).lower() for s in CARD_SENTENCES] + CARD_TYPED
+    out["card_samples_typed"] = dict(zip(typed, translate_all(typed)))
     return out
 
 
@@ -153,6 +196,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--task", action="append", default=[], metavar="NAME=TASK",
                     help="task of a served name: classification | qa | translation (default: from ListModels)")
     ap.add_argument("--limit", type=int, default=0, help="first N rows of each dev file (0: all)")
+    ap.add_argument("--subset", type=int, default=0,
+                    help="N rows spread evenly over each translation dev file (after --limit; 0: all)")
+    ap.add_argument("--sets", default=",".join(TRANSLATION_SETS),
+                    help=f"translation dev sets (comma-separated: {', '.join(TRANSLATION_SETS)})")
+    ap.add_argument("--variant-refs", choices=("typed", "written"), default="typed",
+                    help="typed: final punctuation removed from references and outputs too; written: only the "
+                    "sources change")
+    ap.add_argument("--variants", default="written,nopunct,lower",
+                    help="translation input variants (comma-separated: written, nopunct, lower)")
     ap.add_argument("--beam", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--json", help="also write the result to this file")
@@ -169,6 +221,12 @@ def _task_of(info: Any) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    sets = [x for x in args.sets.split(",") if x]
+    variants = [x for x in args.variants.split(",") if x]
+    bad = [x for x in sets if x not in TRANSLATION_SETS] + [x for x in variants
+                                                            if x not in ("written", "nopunct", "lower")]
+    if bad:
+        raise SystemExit(f"unknown --sets/--variants entries: {bad}")
     from relserve.service.client import Client
 
     data = Path(args.data)
@@ -186,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tasks = {**{n: DEFAULT_TASKS.get(n, t) for n, t in served.items()},
                      **dict(t.split("=", 1) for t in args.task)}
             names = args.models.split(",") if args.models else list(served)
-            result: dict[str, Any] = {"target": target, "limit": args.limit, "models": {}}
+            result: dict[str, Any] = {"target": target, "limit": args.limit, "subset": args.subset, "models": {}}
             for name in names:
                 if name not in served:
                     raise SystemExit(f"model {name!r} is not served (served: {sorted(served)})")
@@ -197,12 +255,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 elif task == "qa":
                     r = eval_qa(client, name, data, args.limit, args.concurrency)
                 elif task == "translation":
-                    r = eval_translation(client, name, data, args.limit, args.concurrency, args.beam)
+                    r = eval_translation(client, name, data, args.limit, args.concurrency, args.beam,
+                                         args.subset, sets, variants, args.variant_refs)
                 else:
                     raise SystemExit(f"model {name!r}: unknown task {task!r}; pass --task {name}=...")
                 r["seconds"] = round(time.monotonic() - t0, 1)
                 result["models"][name] = r
                 print(f"{name}: {json.dumps(r, ensure_ascii=False)}", file=sys.stderr)
+                for set_name, res in r.items():
+                    if isinstance(res, dict) and "variants" in res:
+                        cols = "  ".join(f"{k} {v['bleu']:6.2f}" for k, v in res["variants"].items())
+                        print(f"{name} {set_name} (n={res['n']}) BLEU: {cols}  ratio {res.get('bleu_ratio', {})}",
+                              file=sys.stderr)
     finally:
         if server is not None:
             server.close()

@@ -15,6 +15,12 @@ improvement. ``--state-dir`` holds ``state.pt`` (model, optimizer, step, epoch p
 written at each evaluation and at the end; ``--resume`` continues from it exactly where it stopped.
 ``--max-steps`` / ``--max-minutes`` stop early (the state is saved, so a resumed run continues).
 
+Input as people type it: ``--mix-nopunct``/``--mix-lower``/``--mix-short-repeat`` mix unpunctuated pairs,
+lower-cased sources and extra copies of one- and two-word sources into the training pairs (:func:`mix_variants`,
+fixed per pair from ``--seed``, so a resumed run sees the same pairs); ``--dev-variants written,nopunct,lower``
+picks the checkpoint by the mean BLEU of those dev variants (:func:`dev_variant`). ``--init-from DIR``
+continues from a checkpoint's weights and tokenizers (a fresh optimizer; step 0 is evaluated first).
+
 BLEU/chrF need sacrebleu, from the ``train`` extra (``pip install 'relserve[train]'``); without it the command
 stops at once with that install line.
 
@@ -87,6 +93,72 @@ def load_train_pairs(paths: Sequence[str], limit: int | None = None) -> list[tup
                 seen.add(pair)
                 out.append(pair)
     return out
+
+
+FINAL_PUNCT = ".!?"
+
+
+def strip_final_punct(text: str) -> str:
+    """``text`` without its trailing ``.``, ``!`` and ``?`` (and the spaces before them): how people type a
+    sentence into a box. A text that is only punctuation is returned unchanged."""
+    out = text.rstrip().rstrip(FINAL_PUNCT).rstrip()
+    return out or text
+
+
+def mix_variants(
+    pairs: Sequence[tuple[str, str]],
+    nopunct: float = 0.0,
+    lower: float = 0.0,
+    short_repeat: int = 0,
+    short_words: int = 2,
+    seed: int = 1,
+) -> tuple[list[tuple[str, str]], dict[str, int]]:
+    """The training pairs with the variations people type mixed in, deterministically from ``seed``.
+
+    * ``short_repeat`` extra copies of each pair whose source has at most ``short_words`` whitespace words
+      (single words and two-word phrases are rare in sentence corpora but common in a demo box);
+    * then, per pair, with probability ``nopunct``: the final ``.``/``!``/``?`` removed from source and target
+      (a translation of an unpunctuated source may end without punctuation);
+    * independently, with probability ``lower``: the source lower-cased (the target keeps its case).
+
+    Variants replace the written pair rather than adding to it, so an epoch keeps its length and the written
+    form keeps weight ``1 - rate``. Returns (pairs, counts of each change)."""
+    if not (0.0 <= nopunct <= 1.0 and 0.0 <= lower <= 1.0) or short_repeat < 0:
+        raise ValueError(f"mix rates must lie in [0, 1] and short_repeat >= 0 "
+                         f"(got {nopunct}, {lower}, {short_repeat})")
+    rng = random.Random(seed * 7_919 + 17)
+    pool = list(pairs)
+    short = [p for p in pool if len(p[0].split()) <= short_words]
+    pool += short * short_repeat
+    out, n_np, n_lc = [], 0, 0
+    for src, tgt in pool:
+        if rng.random() < nopunct:
+            src, tgt = strip_final_punct(src), strip_final_punct(tgt)
+            n_np += 1
+        if rng.random() < lower:
+            src = src.lower()
+            n_lc += 1
+        out.append((src, tgt))
+    return out, {"pairs": len(out), "short_sources": len(short), "short_copies": len(short) * short_repeat,
+                 "no_final_punct": n_np, "lower_source": n_lc}
+
+
+DEV_VARIANTS = ("written", "nopunct", "lower")
+
+
+def dev_variant(pairs: Sequence[tuple[str, str]], kind: str) -> list[tuple[str, str]]:
+    """A dev set as people type it: ``written`` (as is), ``nopunct`` (final ``.``/``!``/``?`` removed from
+    source and reference) or ``lower`` (removed, and the source lower-cased; the reference keeps its case).
+    Score a variant other than ``written`` with :func:`strip_final_punct` applied to the hypotheses too, so
+    that a translation of an unpunctuated source may end with or without punctuation. Raises ``ValueError``
+    for another ``kind``."""
+    if kind == "written":
+        return list(pairs)
+    if kind == "nopunct":
+        return [(strip_final_punct(s), strip_final_punct(t)) for s, t in pairs]
+    if kind == "lower":
+        return [(strip_final_punct(s).lower(), strip_final_punct(t)) for s, t in pairs]
+    raise ValueError(f"unknown dev variant {kind!r} (expected one of {', '.join(DEV_VARIANTS)})")
 
 
 @dataclass
@@ -270,6 +342,22 @@ def evaluate(model, tok, pairs, beam_size: int = 1, batch_size: int = 64) -> dic
     return score(hyps, [t for _, t in pairs])
 
 
+def evaluate_variants(model, tok, pairs, kinds: Sequence[str], beam_size: int = 1) -> dict[str, Any]:
+    """BLEU/chrF on each :func:`dev_variant` of ``pairs`` -> ``{"bleu", "chrf"}`` (the means over ``kinds``,
+    what picks the checkpoint) plus ``{kind: {"bleu", "chrf"}}`` when there is more than one kind."""
+    per: dict[str, dict[str, float]] = {}
+    for kind in kinds:
+        var = dev_variant(pairs, kind)
+        hyps = translate(model, tok, [s for s, _ in var], beam_size=beam_size)
+        if kind != "written":
+            hyps = [strip_final_punct(h) for h in hyps]
+        per[kind] = score(hyps, [t for _, t in var])
+    if len(per) == 1:
+        return next(iter(per.values()))
+    mean = {m: round(sum(r[m] for r in per.values()) / len(per), 2) for m in ("bleu", "chrf")}
+    return {**mean, **per}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------------------
@@ -289,6 +377,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from <state-dir>/state.pt")
     p.add_argument("--encoder", choices=("bigru", "deberta"), default="bigru")
     p.add_argument("--tokenizer-from", help="directory with source.spm/target.spm to reuse")
+    p.add_argument("--init-from", help="checkpoint directory to continue training from (its weights and its "
+                   "tokenizers; the architecture flags are ignored)")
+    p.add_argument("--mix-nopunct", type=float, default=0.0,
+                   help="rate of pairs with the final . ! ? removed from source and target")
+    p.add_argument("--mix-lower", type=float, default=0.0, help="rate of pairs with the source lower-cased")
+    p.add_argument("--mix-short-repeat", type=int, default=0,
+                   help="extra copies of each pair whose source has at most --short-words words")
+    p.add_argument("--short-words", type=int, default=2)
+    p.add_argument("--dev-variants", default="written",
+                   help="comma-separated dev variants (written,nopunct,lower) whose mean BLEU picks the checkpoint")
     p.add_argument("--src-vocab", type=int, default=6000)
     p.add_argument("--tgt-vocab", type=int, default=6000)
     p.add_argument("--embedding-size", type=int, default=256)
@@ -373,7 +471,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         n0 = len(train_pairs)
         train_pairs = [p for p in train_pairs if p[0] not in held and p[1] not in held]
         _log(f"--exclude: dropped {n0 - len(train_pairs)} train pairs sharing a side with {args.exclude}")
+    if args.mix_nopunct or args.mix_lower or args.mix_short_repeat:
+        try:
+            train_pairs, mix_counts = mix_variants(train_pairs, args.mix_nopunct, args.mix_lower,
+                                                   args.mix_short_repeat, args.short_words, args.seed)
+        except ValueError as e:
+            raise SystemExit(f"--mix-*: {e}") from e
+        _log(f"data mix: {json.dumps(mix_counts)}")
     dev_pairs = load_pairs(args.dev)[: args.dev_subset] if args.dev else []
+    dev_kinds = [k.strip() for k in args.dev_variants.split(",") if k.strip()]
+    if not dev_kinds:
+        raise SystemExit("--dev-variants: name at least one of " + ", ".join(DEV_VARIANTS))
+    for k in dev_kinds:
+        if k not in DEV_VARIANTS:
+            raise SystemExit(f"--dev-variants: unknown variant {k!r} (expected {', '.join(DEV_VARIANTS)})")
+    if args.init_from:
+        # the continued model must keep the tokenizers its embeddings were trained with
+        args.tokenizer_from = args.init_from
 
     # Tokenizers: resumed runs use the ones in the state dir.
     src_spm, tgt_spm = os.path.join(state_dir, SOURCE_SPM), os.path.join(state_dir, TARGET_SPM)
@@ -399,8 +513,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         resumed = torch.load(state_path, weights_only=True)
         model = model_from_spec(resumed["spec"])
         model.load_state_dict(resumed["model"])
+    elif args.init_from:
+        model, _, _ = load_translation_checkpoint(args.init_from)
+        model = model.float()
+        _log(f"--init-from: weights of {args.init_from}")
     else:
         model = build_model(args, tok)
+    # a continued model's config still carries its first run's summary, which would win over this run's
+    model.config.extra.pop("training", None)
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     step, epoch, batch_pos = 0, 0, 0
@@ -445,7 +565,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return
         t0 = time.perf_counter()
         rng = _rng_state()  # decoding draws no random numbers, but keep resumption exact regardless
-        res = evaluate(model, tok, dev_pairs, beam_size=1)
+        res = evaluate_variants(model, tok, dev_pairs, dev_kinds, beam_size=1)
         _set_rng_state(rng)
         entry = {"step": step, "epoch": epoch, "lr": optimizer.param_groups[0]["lr"], "loss": round(avg_loss, 4),
                  **res, "eval_seconds": round(time.perf_counter() - t0, 1), "train_seconds": round(train_seconds)}
@@ -463,9 +583,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         _log(f"eval {json.dumps(entry)}{' *best*' if improved else ''}")
 
     def _training_info() -> dict[str, Any]:
-        return {"training": {"step": step, "epoch": epoch, "seed": args.seed, "dev_subset_greedy": None
-                             if not history else {"bleu": history[-1]["bleu"], "chrf": history[-1]["chrf"]},
-                             "train_seconds": round(train_seconds)}}
+        info = {"step": step, "epoch": epoch, "seed": args.seed, "dev_subset_greedy": None
+                if not history else {"bleu": history[-1]["bleu"], "chrf": history[-1]["chrf"]},
+                "train_seconds": round(train_seconds)}
+        if args.init_from:
+            info["init_from"] = args.init_from
+        if len(dev_kinds) > 1 and history:
+            info["dev_variants_greedy"] = {k: history[-1][k]["bleu"] for k in dev_kinds}
+        return {"training": info}
 
     from tqdm import tqdm
 
@@ -475,6 +600,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
     avg_loss, stop = float("nan"), False
     last_eval_step = step
+    if args.init_from and resumed is None and dev_pairs:
+        # the starting point's score: the curve's first point, and the bar a continued checkpoint must beat
+        run_eval()
+        save_state()
     while epoch < args.epochs and not stop:
         batches = make_batches(examples, args.batch_tokens, random.Random(args.seed * 100_003 + epoch))
         while batch_pos < len(batches):
