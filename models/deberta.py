@@ -769,57 +769,64 @@ class ContextPooler(nn.Module):
         return self.act(self.dense(self.dropout(hidden_states[:, 0])))  # [B, T, H] -> [B, H]
 
 
-class DebertaForSequenceClassification(nn.Module):
+class DebertaHeadModel(nn.Module):
+    """The encoder (``deberta``) with a task head on top: forward runs the encoder, then the subclass's
+    :meth:`head` on its hidden states Float[B, T, H]."""
+
+    def __init__(self, config: DebertaConfig):
+        super().__init__()
+        self.config = config
+        self.deberta = DebertaModel(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> Any:
+        """input_ids Long[B,T]; attention_mask [B,T] (1 real, 0 pad; default all real); token_type_ids Long[B,T]
+        or None (zeros) -> the head's output (the subclass's docstring)."""
+        return self.head(self.deberta(input_ids, attention_mask, token_type_ids))
+
+    def head(self, h: torch.Tensor) -> Any:
+        raise NotImplementedError
+
+
+class DebertaForSequenceClassification(DebertaHeadModel):
     """Encoder + ContextPooler + linear ``classifier``; forward returns logits Float[B, num_labels]."""
 
     hf_architecture = "DebertaV2ForSequenceClassification"
     task = "classification"
 
     def __init__(self, config: DebertaConfig):
-        super().__init__()
-        self.config = config
-        self.deberta = DebertaModel(config)
+        super().__init__(config)
         self.pooler = ContextPooler(config)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         p = config.cls_dropout if config.cls_dropout is not None else config.hidden_dropout_prob
         self.dropout = nn.Dropout(p)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        h = self.deberta(input_ids, attention_mask, token_type_ids)  # [B, T, H]
-        return self.classifier(self.dropout(self.pooler(h)))  # [B, num_labels]
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.dropout(self.pooler(h)))  # [B, T, H] -> [B, num_labels]
 
 
-class DebertaForQuestionAnswering(nn.Module):
+class DebertaForQuestionAnswering(DebertaHeadModel):
     """Encoder + ``qa_outputs`` (H -> 2); forward returns (start_logits, end_logits), each Float[B, T]."""
 
     hf_architecture = "DebertaV2ForQuestionAnswering"
     task = "question-answering"
 
     def __init__(self, config: DebertaConfig):
-        super().__init__()
         if config.num_labels != 2:
             raise ValueError(f"question answering needs num_labels == 2 (start, end), got {config.num_labels}")
-        self.config = config
-        self.deberta = DebertaModel(config)
+        super().__init__(config)
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.deberta(input_ids, attention_mask, token_type_ids)  # [B, T, H]
-        logits = self.qa_outputs(h)  # [B, T, 2]
+    def head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.qa_outputs(h)  # [B, T, H] -> [B, T, 2]
         return logits[..., 0].contiguous(), logits[..., 1].contiguous()
 
 
-class DebertaForTokenClassification(nn.Module):
+class DebertaForTokenClassification(DebertaHeadModel):
     """Encoder + dropout + linear ``classifier`` over every token (HF ``DebertaV2ForTokenClassification``).
 
     Forward returns logits Float[B, T, num_labels]; positions past a row's attention mask carry meaningless values.
@@ -829,17 +836,9 @@ class DebertaForTokenClassification(nn.Module):
     task = "token-classification"
 
     def __init__(self, config: DebertaConfig):
-        super().__init__()
-        self.config = config
-        self.deberta = DebertaModel(config)
+        super().__init__(config)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        h = self.deberta(input_ids, attention_mask, token_type_ids)  # [B, T, H]
-        return self.classifier(self.dropout(h))  # [B, T, num_labels]
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.dropout(h))  # [B, T, H] -> [B, T, num_labels]

@@ -216,14 +216,19 @@ def process_cpu_s() -> float:
     return u.ru_utime + u.ru_stime
 
 
-def _merge_saturation(slices: list[dict]) -> dict:
-    """One figure from a scheduling's interleaved saturation slices: completions over counted seconds."""
-    seconds = sum(r["seconds"] for r in slices)
-    latencies = [x for r in slices for x in r["latencies"]]
+def pooled(slices: list[dict]) -> tuple[float, list[float], dict[str, int]]:
+    """What interleaved saturation slices (:func:`_saturate`'s results) add up to: counted seconds, every
+    latency (seconds) and the error counts by kind."""
     errors: dict[str, int] = {}
     for r in slices:
         for k, v in r["errors"].items():
             errors[k] = errors.get(k, 0) + v
+    return sum(r["seconds"] for r in slices), [x for r in slices for x in r["latencies"]], errors
+
+
+def _merge_saturation(slices: list[dict]) -> dict:
+    """One figure from a scheduling's interleaved saturation slices: completions over counted seconds."""
+    seconds, latencies, errors = pooled(slices)
     done = sum(r["completed"] for r in slices)
     return {"clients": slices[0]["clients"], "slices": len(slices), "completed": done, "errors": errors,
             "seconds": seconds, "throughput_rps": done / seconds,

@@ -25,9 +25,10 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 from ..serverproc import ServerProcess
-from .translation import DEFAULT_MODEL, EVERYDAY, REPO, _percentile, _saturate
+from .translation import DEFAULT_MODEL, EVERYDAY, REPO, _percentile, _saturate, pooled
 
 SHARED_TATOEBA = REPO.parent / "shared" / "data" / "translation" / "tatoeba_de_en_dev.jsonl"
 TARGET_RATIO = 1.5
@@ -55,42 +56,43 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of process ``pid`` and its descendants now (Linux /proc)."""
-    total, todo, tick = 0.0, [pid], os.sysconf("SC_CLK_TCK")
+def _tree_sum(pid: int, read: Callable[[int], float]) -> float:
+    """``read(p)`` summed over process ``pid`` and its descendants now; a process that ends meanwhile (its /proc
+    files unreadable or cut short) counts nothing, and neither do its children."""
+    total, todo = 0.0, [pid]
     while todo:
         p = todo.pop()
         try:
-            with open(f"/proc/{p}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
+            total += read(p)
         except (OSError, IndexError, ValueError):
             continue
         todo.extend(_children(p))
     return total
 
 
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_bytes(pid: int) -> float:
+    with open(f"/proc/{pid}/statm", "rb") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` and its descendants now (Linux /proc)."""
+    return _tree_sum(pid, _cpu_s)
+
+
 def tree_rss_mb(pid: int) -> float:
     """Resident MiB of process ``pid`` and its descendants now (Linux /proc statm)."""
-    total, todo, page = 0, [pid], os.sysconf("SC_PAGE_SIZE")
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/statm", "rb") as f:
-                total += int(f.read().split()[1]) * page
-        except (OSError, IndexError, ValueError):
-            continue
-        todo.extend(_children(p))
-    return total / (1 << 20)
+    return _tree_sum(pid, _rss_bytes) / (1 << 20)
 
 
 def _merge(slices: list[dict]) -> dict:
-    seconds = sum(r["seconds"] for r in slices)
-    latencies = [x for r in slices for x in r["latencies"]]
-    errors: dict[str, int] = {}
-    for r in slices:
-        for k, v in r["errors"].items():
-            errors[k] = errors.get(k, 0) + v
+    seconds, latencies, errors = pooled(slices)
     return {"sentences_per_s": sum(r["completed"] for r in slices) / seconds,
             "p50_s": _percentile(latencies, 50), "p99_s": _percentile(latencies, 99), "errors": errors,
             "server_cores": sum(r["cpu_s"] for r in slices) / sum(r["wall_s"] for r in slices),

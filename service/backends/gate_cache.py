@@ -314,21 +314,27 @@ def store_probes(config: ModelConfig, key: Mapping[str, Any],
     return _store(config, key, entry, f"{key_digest(key)}.probes.json")
 
 
+def _write_json(target: Path, doc: Any, prefix: str) -> None:
+    """Write ``doc`` as indented, key-sorted JSON to ``target`` through a temporary file named ``prefix``... in
+    the same directory, renamed over it: a reader sees the old file or the new one, never a part."""
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".json", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def _store(config: ModelConfig, key: Mapping[str, Any], entry: Mapping[str, Any], name: str) -> Path | None:
     d = cache_dir(config)
     target = d / name
     try:
         file_trust.make_private_dir(d.parent, f"model {config.name!r}: onnx_cache_dir")
         file_trust.make_private_dir(d, f"model {config.name!r}: dtype decision cache")
-        fd, tmp = tempfile.mkstemp(prefix=".entry.", suffix=".json", dir=d)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(json.dumps(entry, indent=1, sort_keys=True).encode() + b"\n")
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        _write_json(target, entry, ".entry.")
     except (OSError, ConfigError) as exc:
         log.warning("model %r: cannot keep %s (%s); it is measured again at the next start", config.name, target,
                     exc)
@@ -353,13 +359,5 @@ def ship(model_dir: Path, entry: Mapping[str, Any]) -> Path:
     doc = {"about": "dtype: auto agreement-gate decisions for this checkpoint, one per machine class; written by "
                     "`relserve dtype-decisions` (service/backends/gate_cache.py), used when the key matches exactly",
            "entries": entries}
-    fd, tmp = tempfile.mkstemp(prefix=".dtype_decision.", suffix=".json", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    _write_json(target, doc, ".dtype_decision.")
     return target

@@ -44,6 +44,7 @@ Translation models (the step contract, one call per decoder step) are not offere
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import multiprocessing
@@ -52,7 +53,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from ..config import ModelConfig
 from ..errors import Internal, Unavailable
@@ -62,6 +63,8 @@ from .worker_child import WireItem, child_main, resident_bytes, to_wire
 __all__ = ["WireItem", "WorkerBackend", "batch_timeout", "to_wire"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 START_TIMEOUT_S = 600.0  # load + warm-up of a large checkpoint (the bf16 gate included) in the child
 STOP_TIMEOUT_S = 2.0  # a close request's answer, then SIGKILL, when the child is ended
@@ -92,6 +95,37 @@ def _alive(process: Any) -> bool:
     ``is_alive()``, safe from several threads (two concurrent ``waitpid`` calls leave one of them with ECHILD,
     which ``is_alive`` reads as alive)."""
     return process.exitcode is None and not multiprocessing.connection.wait([process.sentinel], 0)
+
+
+def exit_description(process: Any) -> str:
+    """How a worker ``process`` (a ``multiprocessing`` process) ended, for a message: "exited with status 1",
+    "was killed by SIGKILL", or "stopped answering" while it still runs (after a 0.5 s join)."""
+    process.join(0.5)
+    code = process.exitcode
+    if code is None:
+        return "stopped answering"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def on_all(threads: concurrent.futures.Executor, fn: Callable[[T], Any], items: Sequence[T]) -> list[Any]:
+    """``fn(item)`` for every item at once in ``threads``, each result in ``items``' order; every call is
+    waited for, then the first failure (by that order) is raised."""
+    futures = [threads.submit(fn, item) for item in items]
+    results, error = [], None
+    for f in futures:
+        try:
+            results.append(f.result())
+        except BaseException as exc:  # noqa: BLE001 - every process is waited for before raising
+            error = error or exc
+            results.append(None)
+    if error is not None:
+        raise error
+    return results
 
 
 def _process_state(pid: int) -> str | None:
@@ -174,18 +208,7 @@ class WorkerBackend(EncoderBackendDefaults):
 
     def _exit_description(self, process: Any = None) -> str:
         process = process or self._process
-        if process is None:
-            return "is not running"
-        process.join(0.5)
-        code = process.exitcode
-        if code is None:
-            return "stopped answering"
-        if code < 0:
-            try:
-                return f"was killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"was killed by signal {-code}"
-        return f"exited with status {code}"
+        return "is not running" if process is None else exit_description(process)
 
     def _call(self, op: str, *args: Any, timeout: float | None = None) -> Any:
         """Send one request and wait for its reply; raises the child's exception, or :class:`Internal` when

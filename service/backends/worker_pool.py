@@ -36,7 +36,7 @@ from ..cpu_features import available_cores
 from ..config import ModelConfig
 from ..errors import Internal
 from .base import UNBUDGETED, CallBudget, EncoderBackendDefaults, ModelMeta
-from .worker import WorkerBackend
+from .worker import WorkerBackend, on_all
 
 log = logging.getLogger(__name__)
 
@@ -148,17 +148,7 @@ class WorkerPool(EncoderBackendDefaults):
 
     def _on_all(self, fn: Any) -> list[Any]:
         """``fn(worker)`` for every worker at once; the first failure (by instance order) is raised."""
-        futures = [self._threads.submit(fn, w) for w in self.workers]
-        results, error = [], None
-        for f in futures:
-            try:
-                results.append(f.result())
-            except BaseException as exc:  # noqa: BLE001 - every child is waited for before raising
-                error = error or exc
-                results.append(None)
-        if error is not None:
-            raise error
-        return results
+        return on_all(self._threads, fn, self.workers)
 
     def _agreed(self, metas: list[Any]) -> Any:
         first = metas[0]

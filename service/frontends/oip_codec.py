@@ -71,7 +71,7 @@ from ..tasks import classify, qa, translate
 from ..tasks.limits import check_request_size
 from . import oip_pipeline
 from .oip_tensors import (_BOOL, _INT, _NUMBER, _STRING, BOOL, BYTES, FP32, INT64, Tensor, check_parameters,
-                          decode_text, describe, output)
+                          describe, output, text_inputs)
 
 SERVER_NAME = "relserve"
 MODEL_VERSION = "1"  # every served model has exactly this one version
@@ -431,26 +431,7 @@ def _requested(task: str, names: Sequence[str]) -> set[str]:
 def _texts(task: str, inputs: Sequence[Tensor]) -> dict[str, list[str]]:
     """Each input tensor as a list of strings, after the checks of :func:`infer_on` (names, BYTES, shapes)."""
     expected = _INPUTS[task]
-    out: dict[str, list[str]] = {}
-    for tensor in inputs:
-        name = tensor.name
-        if name not in expected:
-            raise InvalidArgument(f"unknown input {shown(name)}; a {task} model takes {_describe_inputs(task)}")
-        if name in out:
-            raise InvalidArgument(f"input {name!r} is sent twice")
-        if tensor.datatype != BYTES:
-            raise InvalidArgument(f"input {name!r} has datatype {shown(tensor.datatype)}; it must be BYTES (UTF-8 "
-                                  f"text)")
-        shape = tuple(tensor.shape)
-        if not (len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)) or shape[0] < 0:
-            raise InvalidArgument(f"input {name!r} has shape {list(shape)}; it must be [N] or [N, 1] (one text per "
-                                  f"row)")
-        if len(tensor.data) != shape[0]:
-            raise InvalidArgument(f"input {name!r} has shape {list(shape)} but {len(tensor.data)} elements")
-        out[name] = [decode_text(name, i, v) for i, v in enumerate(tensor.data)]
-    for name, required in expected.items():
-        if required and name not in out:
-            raise InvalidArgument(f"input {name!r} is missing; a {task} model takes {_describe_inputs(task)}")
+    out = text_inputs(inputs, {name: (required, True) for name, required in expected.items()}, f"a {task} model")
     first = next(iter(expected))
     for name, values in out.items():
         if len(values) != len(out[first]):

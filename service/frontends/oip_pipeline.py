@@ -44,7 +44,8 @@ from ..errors import InvalidArgument, shown
 from ..runner import Runner
 from ..tasks import rerank as rerank_task
 from ..tasks import token_classification, zero_shot
-from .oip_tensors import _BOOL, _INT, _STRING, BYTES, FP32, INT64, Tensor, check_parameters, decode_text, output
+from .oip_tensors import (_BOOL, _INT, _STRING, BYTES, FP32, INT64, Tensor, check_parameters, output,
+                          text_inputs)
 
 # per operation: inputs (name -> (required, one entry per text)), outputs (name -> datatype, in reply order),
 # parameters (name -> kind)
@@ -154,38 +155,9 @@ def _requested(op: str, names: Sequence[str]) -> set[str]:
     return set(names or outputs)
 
 
-def _describe_inputs(op: str) -> str:
-    return ", ".join(f"{n!r} ({'required' if r else 'optional'})" for n, (r, _) in _INPUTS[op].items())
-
-
 def _values(op: str, inputs: Sequence[Tensor]) -> dict[str, list[str]]:
-    """Each input tensor of ``op`` as a list of strings, checked: known names, once each, BYTES, a shape of one
-    row per text ([N] or [N, 1]) or one list ([L] or [1, L]), the required ones present."""
-    expected = _INPUTS[op]
-    out: dict[str, list[str]] = {}
-    for tensor in inputs:
-        name = tensor.name
-        if name not in expected:
-            raise InvalidArgument(f"unknown input {shown(name)}; {op} takes {_describe_inputs(op)}")
-        if name in out:
-            raise InvalidArgument(f"input {name!r} is sent twice")
-        if tensor.datatype != BYTES:
-            raise InvalidArgument(f"input {name!r} has datatype {shown(tensor.datatype)}; it must be BYTES (UTF-8 "
-                                  f"text)")
-        shape = tuple(tensor.shape)
-        per_text = expected[name][1]
-        ok = len(shape) == 1 or (len(shape) == 2 and (shape[1] == 1 if per_text else shape[0] == 1))
-        if not ok or any(d < 0 for d in shape):
-            form = "[N] or [N, 1] (one text per row)" if per_text else "[L] or [1, L] (one list)"
-            raise InvalidArgument(f"input {name!r} has shape {list(shape)}; it must be {form}")
-        count = shape[0] if per_text or len(shape) == 1 else shape[1]
-        if len(tensor.data) != count:
-            raise InvalidArgument(f"input {name!r} has shape {list(shape)} but {len(tensor.data)} elements")
-        out[name] = [decode_text(name, i, v) for i, v in enumerate(tensor.data)]
-    for name, (required, _) in expected.items():
-        if required and name not in out:
-            raise InvalidArgument(f"input {name!r} is missing; {op} takes {_describe_inputs(op)}")
-    return out
+    """Each input tensor of ``op`` as a list of strings, checked (:func:`.oip_tensors.text_inputs`)."""
+    return text_inputs(inputs, _INPUTS[op], op)
 
 
 async def _zero_shot(runner: Runner, values: dict[str, list[str]], params: dict[str, Any],

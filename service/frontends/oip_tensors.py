@@ -1,12 +1,13 @@
 """The Open Inference Protocol's tensors as plain Python values, shared by the OIP codecs (:mod:`.oip_codec`,
 :mod:`.oip_pipeline`): the :class:`Tensor` type, the datatypes relserve produces, output construction
-(:func:`output`) and BYTES decoding (:func:`decode_text`). No torch.
+(:func:`output`), BYTES decoding (:func:`decode_text`) and the checks of a request's text inputs
+(:func:`text_inputs`). No torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy
 
@@ -72,6 +73,47 @@ def decode_text(name: str, index: int, value: Any) -> str:
     except UnicodeDecodeError as exc:
         raise InvalidArgument(f"input {name!r}[{index}] is not valid UTF-8 ({exc.reason} at byte {exc.start})") \
             from None
+
+
+def describe_inputs(expected: Mapping[str, tuple[bool, bool]]) -> str:
+    """``expected``'s inputs for a message: "'text' (required), 'text_pair' (optional)"."""
+    return ", ".join(f"{n!r} ({'required' if r else 'optional'})" for n, (r, _) in expected.items())
+
+
+def text_inputs(inputs: Sequence[Tensor], expected: Mapping[str, tuple[bool, bool]],
+                taker: str) -> dict[str, list[str]]:
+    """Each input tensor as its list of texts, checked against ``expected`` (name -> (required, per_text)):
+    known names, each sent once, BYTES, the required ones present; a ``per_text`` input holds one text per row
+    (shape [N] or [N, 1]), any other one list (shape [L] or [1, L]). ``taker`` names who takes them in the
+    messages ("a classification model").
+
+    Raises:
+        InvalidArgument: naming the input and what is wrong with it (or :func:`decode_text`'s).
+    """
+    out: dict[str, list[str]] = {}
+    for tensor in inputs:
+        name = tensor.name
+        if name not in expected:
+            raise InvalidArgument(f"unknown input {shown(name)}; {taker} takes {describe_inputs(expected)}")
+        if name in out:
+            raise InvalidArgument(f"input {name!r} is sent twice")
+        if tensor.datatype != BYTES:
+            raise InvalidArgument(f"input {name!r} has datatype {shown(tensor.datatype)}; it must be BYTES (UTF-8 "
+                                  f"text)")
+        shape = tuple(tensor.shape)
+        per_text = expected[name][1]
+        ok = len(shape) == 1 or (len(shape) == 2 and (shape[1] == 1 if per_text else shape[0] == 1))
+        if not ok or any(d < 0 for d in shape):
+            form = "[N] or [N, 1] (one text per row)" if per_text else "[L] or [1, L] (one list)"
+            raise InvalidArgument(f"input {name!r} has shape {list(shape)}; it must be {form}")
+        count = shape[0] if per_text or len(shape) == 1 else shape[1]
+        if len(tensor.data) != count:
+            raise InvalidArgument(f"input {name!r} has shape {list(shape)} but {len(tensor.data)} elements")
+        out[name] = [decode_text(name, i, v) for i, v in enumerate(tensor.data)]
+    for name, (required, _) in expected.items():
+        if required and name not in out:
+            raise InvalidArgument(f"input {name!r} is missing; {taker} takes {describe_inputs(expected)}")
+    return out
 
 
 def check_parameters(what: str, known: Mapping[str, str], parameters: Mapping[str, Any]) -> dict[str, Any]:

@@ -57,7 +57,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from relserve.models.decode_types import DecodeOptions, Hypothesis
 
@@ -121,7 +121,48 @@ class DecodeSeq:
 
 # ---------------------------------------------------------------------------------------------- the loop
 
-class DecodeLoop(QueueScheduler[DecodeSeq]):
+class DecodeQueue(QueueScheduler[DecodeSeq]):
+    """The submission side that :class:`DecodeLoop` and the decode process pool
+    (:class:`.decode_pool.DecodePool`) share: a request's items become its sequences, numbered by the
+    subclass's ``_ids`` counter; :meth:`run` submits and waits."""
+
+    _ids: Iterator[int]
+    # whether a request's sequences get a trace when tracing is on
+    _traced: bool
+
+    def submit(self, items: Sequence[tuple[list[int], DecodeOptions]], deadline: float | None = None,
+               on_update: OnUpdate | None = None, reservation: Reservation | None = None
+               ) -> list[DecodeSeq]:
+        """Enqueue ``(source_ids, options)`` items as the sequences of one request (all or none); a
+        ``reservation`` (:meth:`reserve`) counts as the request's own places and is consumed on success.
+
+        Raises:
+            Unavailable: closed, not started, or (the process pool) no decode process serves (names why).
+            DeadlineExceeded: the deadline already passed.
+            ResourceExhausted: the queue cannot take all the items (names max_queue_size).
+        """
+
+        def make(loop: asyncio.AbstractEventLoop, now: float) -> list[DecodeSeq]:
+            trace = tracing.request(self.name, now) if self._traced and tracing.ENABLED else None
+            return [DecodeSeq(seq_id=next(self._ids), source_ids=list(ids), options=options, deadline=deadline,
+                              future=loop.create_future(), on_update=on_update, enqueued_at=now, trace=trace)
+                    for ids, options in items]
+
+        return self._enqueue(len(items), deadline, reservation, make)
+
+    async def run(self, items: Sequence[tuple[list[int], DecodeOptions]], deadline: float | None = None
+                  ) -> list[list[Hypothesis]]:
+        """Submit and wait; one n-best list per item, in order.
+
+        Raises:
+            RelserveError: as ``submit`` and ``wait`` (queue full, deadline, closed, decode failure).
+        """
+        seqs = self.submit(items, deadline)
+        await self.wait(seqs, deadline)
+        return [s.result for s in seqs]
+
+
+class DecodeLoop(DecodeQueue):
     """The decode loop of one translation model (a :class:`relserve.service.scheduling.base.QueueScheduler`
     policy).
 
@@ -142,6 +183,8 @@ class DecodeLoop(QueueScheduler[DecodeSeq]):
             the process's compute slot through it (sequences cancelled or expired while waiting for it are
             left out of the call). None: a lane of its own (no coordination).
     """
+
+    _traced = True
 
     worker_kind = "decode"
     worker_error = "decode loop error"
@@ -229,33 +272,6 @@ class DecodeLoop(QueueScheduler[DecodeSeq]):
     def _retry_hint(self, needed: int, others: int) -> float | None:
         # no retry advice for a request that can never fit
         return super()._retry_hint(needed, others) if needed <= self.max_queue_size else None
-
-    def submit(self, items: Sequence[tuple[list[int], DecodeOptions]], deadline: float | None = None,
-               on_update: OnUpdate | None = None, reservation: Reservation | None = None
-               ) -> list[DecodeSeq]:
-        """Enqueue ``(source_ids, options)`` items as the sequences of one request (all or none); a
-        ``reservation`` (:meth:`reserve`) counts as the request's own places and is consumed on success.
-
-        Raises:
-            Unavailable: closed or not started.
-            DeadlineExceeded: the deadline already passed.
-            ResourceExhausted: the queue cannot take all the items (names max_queue_size).
-        """
-
-        def make(loop: asyncio.AbstractEventLoop, now: float) -> list[DecodeSeq]:
-            trace = tracing.request(self.name, now) if tracing.ENABLED else None
-            return [DecodeSeq(seq_id=next(self._ids), source_ids=list(ids), options=options, deadline=deadline,
-                              future=loop.create_future(), on_update=on_update, enqueued_at=now, trace=trace)
-                    for ids, options in items]
-
-        return self._enqueue(len(items), deadline, reservation, make)
-
-    async def run(self, items: Sequence[tuple[list[int], DecodeOptions]], deadline: float | None = None
-                  ) -> list[list[Hypothesis]]:
-        """Submit and wait; one n-best list per item, in order."""
-        seqs = self.submit(items, deadline)
-        await self.wait(seqs, deadline)
-        return [s.result for s in seqs]
 
     def _where_late(self, seqs: Sequence[DecodeSeq]) -> str:
         started = any(s.steps for s in seqs)

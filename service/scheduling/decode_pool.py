@@ -26,18 +26,16 @@ import logging
 import time
 from typing import Sequence
 
-from relserve.models.decode_types import DecodeOptions, Hypothesis
-
 from ..backends.base import SeqUpdate
 from ..errors import Unavailable
-from .base import QueueScheduler, Reservation, fail
-from .decode_loop import DecodeSeq, LoopObserver, OnUpdate
+from .base import fail
+from .decode_loop import DecodeQueue, DecodeSeq, LoopObserver
 from .decode_workers import HELD_LOOPS, DecodeWorkers
 
 log = logging.getLogger(__name__)
 
 
-class DecodePool(QueueScheduler[DecodeSeq]):
+class DecodePool(DecodeQueue):
     """The sequences of one translation model spread over its decode processes (see the module docstring).
     Same surface as :class:`.decode_loop.DecodeLoop` for :mod:`relserve.service.tasks.translate`: ``reserve``,
     ``submit``, ``wait``, ``discard``, ``run``.
@@ -50,6 +48,9 @@ class DecodePool(QueueScheduler[DecodeSeq]):
         max_queue_size: sequences allowed to wait here; beyond it submissions raise ResourceExhausted.
         observer: metrics hooks (the processes' loops report through it).
     """
+
+    # the decode processes record no spans, so a request here starts no trace
+    _traced = False
 
     worker_kind = "decode-dispatch"
     worker_error = "decode dispatch error"
@@ -115,30 +116,6 @@ class DecodePool(QueueScheduler[DecodeSeq]):
         return len(self._held)
 
     # ------------------------------------------------------------------ submission
-
-    def submit(self, items: Sequence[tuple[list[int], DecodeOptions]], deadline: float | None = None,
-               on_update: OnUpdate | None = None, reservation: Reservation | None = None) -> list[DecodeSeq]:
-        """As :meth:`.decode_loop.DecodeLoop.submit`.
-
-        Raises:
-            Unavailable: closed, not started, or no decode process serves (names why).
-            DeadlineExceeded: the deadline already passed.
-            ResourceExhausted: the queue cannot take all the items (names max_queue_size).
-        """
-
-        def make(loop: asyncio.AbstractEventLoop, now: float) -> list[DecodeSeq]:
-            return [DecodeSeq(seq_id=next(self._ids), source_ids=list(ids), options=options, deadline=deadline,
-                              future=loop.create_future(), on_update=on_update, enqueued_at=now)
-                    for ids, options in items]
-
-        return self._enqueue(len(items), deadline, reservation, make)
-
-    async def run(self, items: Sequence[tuple[list[int], DecodeOptions]], deadline: float | None = None
-                  ) -> list[list[Hypothesis]]:
-        """Submit and wait; one n-best list per item, in order."""
-        seqs = self.submit(items, deadline)
-        await self.wait(seqs, deadline)
-        return [s.result for s in seqs]
 
     def _where_late(self, seqs: Sequence[DecodeSeq]) -> str:
         return "while decoding" if any(s.seq_id in self._held for s in seqs) else "while waiting in the queue"

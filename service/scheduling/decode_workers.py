@@ -30,13 +30,13 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import signal
 import threading
 import time
 from typing import Any, Callable
 
 from ..backends.base import ModelMeta
-from ..backends.worker import STOPPED_GRACE_S, STOP_TIMEOUT_S, WATCH_INTERVAL_S, _alive, _process_state
+from ..backends.worker import (STOPPED_GRACE_S, STOP_TIMEOUT_S, WATCH_INTERVAL_S, _alive, _process_state,
+                               exit_description, on_all)
 from ..backends.worker_child import resident_bytes
 from ..config import ModelConfig
 from ..cpu_features import available_cores
@@ -62,19 +62,6 @@ def decode_instances(config: ModelConfig) -> int:
     """How many decode loops a ``worker_process`` translation model runs: ``decode_instances``, or one per
     core the server may use (:func:`relserve.service.cpu_features.available_cores`) when it is 0."""
     return config.decode_instances or max(1, available_cores())
-
-
-def _exit_description(process: Any) -> str:
-    process.join(0.5)
-    code = process.exitcode
-    if code is None:
-        return "stopped answering"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
 
 
 class _Instance:
@@ -156,7 +143,7 @@ class DecodeWorkers:
                 raise Internal(f"model {self.config.name!r}: decode worker did not answer {op} within {timeout:.0f} s")
             status, value, stats = inst.conn.recv()
         except (EOFError, OSError) as exc:
-            raise Internal(f"model {self.config.name!r}: decode worker process {_exit_description(inst.process)} "
+            raise Internal(f"model {self.config.name!r}: decode worker process {exit_description(inst.process)} "
                            f"during {op}") from exc
         inst.rss, inst.cpu = int(stats.get("rss", 0)), float(stats.get("cpu", 0.0))
         if status == "error":
@@ -200,7 +187,7 @@ class DecodeWorkers:
             if self._on_message is not None:
                 self._on_message(inst.index, message)
         if inst.conn is conn and not self._closed:
-            reason = inst.lost or f"decode worker process {inst.process.pid} {_exit_description(inst.process)}"
+            reason = inst.lost or f"decode worker process {inst.process.pid} {exit_description(inst.process)}"
             self._lose(inst, reason)
 
     def _lose(self, inst: _Instance, reason: str) -> None:
@@ -238,17 +225,7 @@ class DecodeWorkers:
     def _on_all(self, fn: Callable[[_Instance], Any]) -> list[Any]:
         """``fn(instance)`` for every instance at once, in this object's own threads (they live as long as it:
         PR_SET_PDEATHSIG ends a child when the thread that started it ends); the first failure is raised."""
-        futures = [self._threads.submit(fn, inst) for inst in self.instances]
-        results, error = [], None
-        for f in futures:
-            try:
-                results.append(f.result())
-            except BaseException as exc:  # noqa: BLE001 - every process is waited for before raising
-                error = error or exc
-                results.append(None)
-        if error is not None:
-            raise error
-        return results
+        return on_all(self._threads, fn, self.instances)
 
     def _with_tokenizer(self, meta: ModelMeta) -> ModelMeta:
         """``meta`` with the tokenizer loaded here from the checkpoint directory, as the processes' backends

@@ -38,7 +38,7 @@ from relserve.service.tasks.classify import effective_max_length, preprocess, ru
 from relserve.service.tasks.limits import check_request_size
 from relserve.service.tasks.text import is_blank
 from relserve.service.tasks.timings import Timings
-from relserve.service.tasks.zero_shot import check_not_blank, nli_model_labels
+from relserve.service.tasks.zero_shot import check_not_blank, check_types, head_label, nli_model_labels
 
 TASK_RERANK = "rerank"
 RELEVANT_PREFIXES = ("entail", "relevan", "positive")
@@ -105,9 +105,7 @@ def validate_rerank(runner: Any, query: str, texts: Sequence[str], top_n: int = 
     if not isinstance(query, str):
         raise InvalidArgument(f"query must be a string, got {type(query).__name__}")
     texts = list(texts)
-    for i, t in enumerate(texts):
-        if not isinstance(t, str):
-            raise InvalidArgument(f"texts[{i}] must be a string, got {type(t).__name__}")
+    check_types(texts, "texts")
     chars = len(texts) * len(query) + sum(map(len, texts))
     check_request_size(runner.name, len(texts), chars, None, cfg.max_request_chars, "(query, text) pairs")
     if is_blank(query):
@@ -173,11 +171,7 @@ async def rerank(runner: Any, request: RerankRequest, deadline: float | None) ->
             no relevance label (the model was swapped since validation).
         RelserveError: from the batcher (queue full, deadline, shutting down, model failure).
     """
-    runner.check_ready()
-    meta = runner.meta
-    index = relevance_index(meta.labels)
-    if index is None:
-        raise InvalidArgument(f"model {runner.name!r} has no relevance label (labels: {list(meta.labels)})")
+    meta, index = head_label(runner, relevance_index, "relevance")
     _encodings, units, timings = await run_encoded(
         runner, len(request.texts), deadline, encode_query_pairs, meta.tokenizer, request.query, request.texts,
         runner.max_seq_len, request.truncate,

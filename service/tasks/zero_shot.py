@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import string
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -87,6 +87,22 @@ def nli_model_labels(runner: Any, what: str) -> tuple[str, ...]:
     return tuple(runner.meta.labels)
 
 
+def head_label(runner: Any, find: Callable[[Sequence[str]], int | None], role: str) -> tuple[Any, int]:
+    """``runner``'s loaded model metadata and the index ``find(labels)`` gives of its ``role`` label, read when the
+    work starts (the model may have been swapped since the request's validation).
+
+    Raises:
+        Unavailable: the model is not ready.
+        InvalidArgument: ``find`` gives None (naming the role and the model's labels).
+    """
+    runner.check_ready()
+    meta = runner.meta
+    index = find(meta.labels)
+    if index is None:
+        raise InvalidArgument(f"model {runner.name!r} has no {role} label (labels: {list(meta.labels)})")
+    return meta, index
+
+
 def check_template(template: str) -> None:
     """``template`` must hold exactly one ``{}`` and no other replacement field (``{{`` / ``}}`` are literal
     braces, as in ``str.format``), so that ``template.format(label)`` is the hypothesis.
@@ -105,7 +121,8 @@ def check_template(template: str) -> None:
                               f"goes) and no other {{...}} field; got {len(fields)} fields")
 
 
-def _check_types(values: Sequence[Any], field: str) -> None:
+def check_types(values: Sequence[Any], field: str) -> None:
+    """Raises InvalidArgument naming ``field[i]`` and its type for the first entry that is not a string."""
     for i, v in enumerate(values):
         if not isinstance(v, str):
             raise InvalidArgument(f"{field}[{i}] must be a string, got {type(v).__name__}")
@@ -148,8 +165,8 @@ def validate_zero_shot(runner: Any, texts: Sequence[str], candidate_labels: Sequ
     n_pairs = len(texts) * len(candidate_labels)
     check_text_count(runner.name, n_pairs, cfg.max_request_texts, "(text, hypothesis) pairs")
     texts, labels = list(texts), list(candidate_labels)
-    _check_types(texts, "texts")
-    _check_types(labels, "candidate_labels")
+    check_types(texts, "texts")
+    check_types(labels, "candidate_labels")
     template = hypothesis_template or DEFAULT_HYPOTHESIS_TEMPLATE
     if not isinstance(template, str):
         raise InvalidArgument(f"hypothesis_template must be a string, got {type(template).__name__}")
@@ -238,11 +255,7 @@ async def zero_shot(runner: Any, request: ZeroShotRequest,
             no entailment label (it was swapped since validation).
         RelserveError: from the batcher (queue full, deadline, shutting down, model failure).
     """
-    runner.check_ready()
-    meta = runner.meta
-    entailment = entailment_index(meta.labels)
-    if entailment is None:
-        raise InvalidArgument(f"model {runner.name!r} has no entailment label (labels: {list(meta.labels)})")
+    meta, entailment = head_label(runner, entailment_index, "entailment")
     labels = request.candidate_labels
     hypotheses = [request.hypothesis_template.format(label) for label in labels]
     encodings, units, timings = await run_encoded(

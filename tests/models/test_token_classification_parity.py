@@ -22,7 +22,6 @@ on a started ``ModelRunner``: tokenizer, batcher, backend), against ``transforme
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 
@@ -34,6 +33,7 @@ transformers = pytest.importorskip("transformers")
 
 from fixtures.deberta import NER_LABELS, make_deberta_checkpoint  # noqa: E402
 from fixtures.deberta_v1 import make_v1_checkpoint, train_bpe_tokenizer  # noqa: E402
+from fixtures.runners import started_runners  # noqa: E402
 from relserve.models.onnx.export import export_checkpoint  # noqa: E402
 from relserve.service.backends.precision import CALIBRATION_FILE  # noqa: E402
 from relserve.service.config import ModelConfig  # noqa: E402
@@ -81,21 +81,8 @@ def world(unigram_tokenizer_dir, spm_tokenizer_dir, tmp_path_factory):
                ModelConfig(name="v3-onnx", path=v3.path, backend="onnx", onnx_path=root / "v3-onnx",
                            onnx_intra_op_threads=1, **COMMON, **v5),
                ModelConfig(name="v2-worker", path=v2.path, **dict(COMMON, worker_process=True))]
-    loop = asyncio.new_event_loop()
-    runners = {c.name: build_runner(c) for c in configs}
-
-    async def start():
-        for r in runners.values():
-            await asyncio.to_thread(r.load)
-            await r.start()
-
-    async def close():
-        await asyncio.gather(*(r.close() for r in runners.values()))
-
-    loop.run_until_complete(start())
-    yield loop, runners, pipes, exported
-    loop.run_until_complete(close())
-    loop.close()
+    with started_runners(configs) as (loop, runners):
+        yield loop, runners, pipes, exported
 
 
 def _classify(world, name, texts, strategy=None, ignore_labels=None, stride=None):

@@ -32,6 +32,7 @@ from prometheus_client import REGISTRY  # noqa: E402
 
 from fixtures.deberta import make_deberta_checkpoint  # noqa: E402
 from fixtures.deberta_v1 import make_v1_checkpoint, train_bpe_tokenizer  # noqa: E402
+from fixtures.runners import started_runners  # noqa: E402
 from relserve.service.config import ModelConfig  # noqa: E402
 from relserve.service.errors import InvalidArgument  # noqa: E402
 from relserve.service.registry import build_runner  # noqa: E402
@@ -82,21 +83,8 @@ def world(unigram_tokenizer_dir, spm_tokenizer_dir, tmp_path_factory):
                            onnx_intra_op_threads=1, **COMMON),
                # one batch of 8 once 8 units wait (the two requests of the sharing test), however long it takes
                ModelConfig(name="v3-shared", path=v3.path, **dict(COMMON, max_batch_size=8, max_queue_delay=30.0))]
-    loop = asyncio.new_event_loop()
-    runners = {c.name: build_runner(c) for c in configs}
-
-    async def start():
-        for r in runners.values():
-            await asyncio.to_thread(r.load)
-            await r.start()
-
-    async def close():
-        await asyncio.gather(*(r.close() for r in runners.values()))
-
-    loop.run_until_complete(start())
-    yield loop, runners, oracles
-    loop.run_until_complete(close())
-    loop.close()
+    with started_runners(configs) as (loop, runners):
+        yield loop, runners, oracles
 
 
 def _zero_shot(world, name, texts, labels, template=None, multi_label=False):

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -19,9 +17,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from grpc_health.v1 import health_pb2  # noqa: E402
-
 from fixtures.fake_serving import server_config  # noqa: E402
+from fixtures.health_watch import NOT_SERVING, WAIT_S, HealthWatch  # noqa: E402
+from fixtures.health_watch import wait_until as _wait_until  # noqa: E402
 from fixtures.server import Running, wait_gone  # noqa: E402
 from fixtures.translation import make_tiny_checkpoint, sentence_pairs  # noqa: E402
 from relserve.service._proto import inference_pb2 as pb  # noqa: E402
@@ -30,10 +28,6 @@ from relserve.service.config.validation import validate_model  # noqa: E402
 from relserve.service.registry import build_runner  # noqa: E402
 from relserve.service.scheduling.decode_pool import DecodePool  # noqa: E402
 from relserve.service.scheduling.decode_workers import DecodeWorkers  # noqa: E402
-
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-WAIT_S = 120  # how long a condition may take on a busy 2-core machine (no timing is asserted)
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +54,6 @@ def _runner(srv, name="trw"):
 
 def _translate(srv, model, texts, timeout=60, **kw):
     return srv.stub.Translate(pb.TranslateRequest(model=model, texts=texts, **kw), timeout=timeout).results
-
-
-def _wait_until(condition, what: str):
-    end = time.monotonic() + WAIT_S
-    while time.monotonic() < end:
-        if condition():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"never happened: {what}")
 
 
 def _assert_same(a, b) -> None:
@@ -160,31 +145,6 @@ def test_a_cancelled_call_leaves_the_process_loop(srv):
     _assert_same(_translate(srv, "trw", TEXTS[:3], beam_size=5), _translate(srv, "tr", TEXTS[:3], beam_size=5))
 
 
-class Health:
-    """The statuses grpc.health.v1 Watch streams for one service, in order, from a thread."""
-
-    def __init__(self, srv, service: str) -> None:
-        self.statuses: list[int] = []
-        self._call = srv.health.Watch(health_pb2.HealthCheckRequest(service=service), timeout=WAIT_S * 2)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        _wait_until(lambda: self.statuses, f"the first status of {service!r}")
-
-    def _run(self) -> None:
-        try:
-            for reply in self._call:
-                self.statuses.append(reply.status)
-        except grpc.RpcError:
-            pass
-
-    def saw_recovery(self) -> bool:
-        return NOT_SERVING in self.statuses and SERVING in self.statuses[self.statuses.index(NOT_SERVING):]
-
-    def close(self) -> None:
-        self._call.cancel()
-        self._thread.join(10)
-
-
 def test_lost_decode_processes_fail_their_calls_unavailable_and_are_replaced(srv):
     """Both processes stopped and calls handed to them; then one is killed (SIGKILL) and the other left stopped
     until the watchdog gives up on it (worker_batch_timeout). Each call fails UNAVAILABLE naming what happened
@@ -195,7 +155,7 @@ def test_lost_decode_processes_fail_their_calls_unavailable_and_are_replaced(srv
     _wait_until(lambda: len(backend.serving()) == 2, "both decode processes serving")
     before = _translate(srv, "trw", TEXTS[:4], beam_size=5, n_best=2)
     old = list(backend.pids)
-    watch = Health(srv, "trw")
+    watch = HealthWatch(srv, "trw")
     errors, held_new = [], None
     try:
         with ThreadPoolExecutor(4) as ex:

@@ -158,6 +158,24 @@ def _held_call(channel: grpc.Channel, release: threading.Event):
     return channel.stream_unary(CLASSIFY).future(never(), timeout=60)
 
 
+def _fill(held_channel: grpc.Channel, release: threading.Event, stub) -> tuple[list, grpc.RpcError]:
+    """Hold MAX_CALLS calls on ``held_channel`` (:func:`_held_call`), then call ListModels on ``stub`` until one
+    is refused; returns the held calls and that refusal."""
+    held = [_held_call(held_channel, release) for _ in range(MAX_CALLS)]
+    refused: list[grpc.RpcError] = []
+
+    def full() -> bool:
+        try:
+            stub.ListModels(pb.ListModelsRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            refused.append(exc)
+            return True
+        return False
+
+    _wait_for(full, READ_TIMEOUT_S, "a call refused while the held calls fill the server")
+    return held, refused[0]
+
+
 def test_max_concurrent_rpcs_refuses_at_once_while_health_answers_and_unsent_requests_end_after_the_timeout(srv):
     server, channel = srv
     release = threading.Event()
@@ -165,20 +183,9 @@ def test_max_concurrent_rpcs_refuses_at_once_while_health_answers_and_unsent_req
     stub = pb_grpc.InferenceStub(channel)
     health = health_pb2_grpc.HealthStub(channel)
     try:
-        held = [_held_call(held_channel, release) for _ in range(MAX_CALLS)]
-        refused: list[grpc.RpcError] = []
-
-        def full() -> bool:
-            try:
-                stub.ListModels(pb.ListModelsRequest(), timeout=10)
-            except grpc.RpcError as exc:
-                refused.append(exc)
-                return True
-            return False
-
-        _wait_for(full, READ_TIMEOUT_S, "a call refused while the held calls fill the server")
-        assert refused[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused[0]
-        assert "max_concurrent_rpcs" in refused[0].details()
+        held, refused = _fill(held_channel, release, stub)
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
+        assert "max_concurrent_rpcs" in refused.details()
         assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
             health_pb2.HealthCheckResponse.SERVING
         # the calls whose message never came end DEADLINE_EXCEEDED from the server (their own deadline is 60 s)
@@ -210,20 +217,9 @@ def test_a_call_refused_over_max_concurrent_rpcs_is_retried_by_a_client_retry_po
     stub = pb_grpc.InferenceStub(channel)
     refused_before = _requests_total(server, "_unknown_", "RESOURCE_EXHAUSTED")
     try:
-        held = [_held_call(held_channel, release) for _ in range(MAX_CALLS)]
-        refused: list[grpc.RpcError] = []
-
-        def full() -> bool:
-            try:
-                stub.ListModels(pb.ListModelsRequest(), timeout=10)
-            except grpc.RpcError as exc:
-                refused.append(exc)
-                return True
-            return False
-
-        _wait_for(full, READ_TIMEOUT_S, "a call refused while the held calls fill the server")
-        assert refused[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused[0]
-        assert "maximum of 4 concurrent calls (max_concurrent_rpcs)" in refused[0].details()
+        held, refused = _fill(held_channel, release, stub)
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
+        assert "maximum of 4 concurrent calls (max_concurrent_rpcs)" in refused.details()
         seen = _requests_total(server, "_unknown_", "RESOURCE_EXHAUSTED")
         call = pb_grpc.InferenceStub(retrying).ListModels.future(pb.ListModelsRequest(), timeout=20)
         _wait_for(lambda: _requests_total(server, "_unknown_", "RESOURCE_EXHAUSTED") > seen, READ_TIMEOUT_S,

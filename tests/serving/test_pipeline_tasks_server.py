@@ -19,15 +19,13 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from google.protobuf import json_format, message_factory
+from google.protobuf import json_format
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -35,7 +33,8 @@ transformers = pytest.importorskip("transformers")
 from prometheus_client import REGISTRY  # noqa: E402
 
 from fixtures import client_venvs  # noqa: E402
-from fixtures.client_venvs import HUGGINGFACE_HUB, TRITONCLIENT, VenvBuildError  # noqa: E402
+from fixtures.api_table import grpcurl, table_calls  # noqa: E402
+from fixtures.client_venvs import HUGGINGFACE_HUB, TRITONCLIENT  # noqa: E402
 from fixtures.deberta import make_deberta_checkpoint  # noqa: E402
 from fixtures.fake_serving import server_config  # noqa: E402
 from fixtures.server import Running  # noqa: E402
@@ -49,8 +48,6 @@ from relserve.service.config import ModelConfig  # noqa: E402
 from relserve.service.registry import build_runner  # noqa: E402
 from relserve.service.tasks.text import is_blank_char  # noqa: E402
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 NLI_LABELS = ["contradiction", "neutral", "entailment"]
 # the names docs/api.md's table uses
 NLI, NER, RERANKER = "nli", "ner", "reranker"
@@ -282,14 +279,7 @@ def test_rerank_on_every_surface_equals_the_cross_encoder(world):
 # ---------------------------------------------------------------------------------------------- real clients
 
 def _script(world, venv, script: str, *args: str, env: dict | None = None) -> dict:
-    try:
-        python = world[3][venv.name].result(timeout=900)
-    except VenvBuildError as exc:
-        pytest.fail(str(exc))
-    done = subprocess.run([python, str(FIXTURES / script), *args], capture_output=True, text=True, timeout=300,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout)
+    return client_venvs.run_script(world[3], venv, script, *args, env=env)
 
 
 def test_huggingface_hub_client_zero_shot_and_token_classification(world, tmp_path):
@@ -482,9 +472,7 @@ def test_request_metrics_carry_the_operations_task_labels(world):
 def _table_calls() -> list[str]:
     """docs/api.md's "Every surface, every task" calls to this module's models (the others:
     tests/serving/test_real_clients.py)."""
-    section = API_DOC.read_text(encoding="utf-8").split("\n## Every surface, every task\n", 1)[-1].split("\n## ")[0]
-    calls = re.findall(r"`((?:grpcurl|curl) [^`]+)`", "\n".join(l for l in section.splitlines() if l.startswith("| [")))
-    return [c for c in calls if re.search(rf'"model(?:_name)?": "({NLI}|{NER}|{RERANKER})"|/models/({NLI}|{NER}|'
+    return [c for c in table_calls() if re.search(rf'"model(?:_name)?": "({NLI}|{NER}|{RERANKER})"|/models/({NLI}|{NER}|'
                                           rf'{RERANKER})\b', c)]
 
 
@@ -499,14 +487,7 @@ def test_the_api_tables_pipeline_task_calls_run_as_written(world):
             url = next(a for a in argv if a.startswith("localhost:8000/"))
             assert _ok(srv, url.removeprefix("localhost:8000"), json.loads(body)), call
             continue
-        service, method = argv[-1].rsplit("/", 1)
-        descriptor = next(d.services_by_name[service.rsplit(".", 1)[1]].methods_by_name[method]
-                          for d in (pb.DESCRIPTOR, v2.DESCRIPTOR) if d.package == service.rsplit(".", 1)[0])
-        request_class = message_factory.GetMessageClass(descriptor.input_type)
-        reply_class = message_factory.GetMessageClass(descriptor.output_type)
-        rpc = srv.channel.unary_unary(f"/{service}/{method}", request_serializer=request_class.SerializeToString,
-                                      response_deserializer=reply_class.FromString)
-        assert rpc(json_format.Parse(body, request_class()), timeout=60).ByteSize() > 0, call
+        assert grpcurl(srv.channel, argv[-1], body).ByteSize() > 0, call
 
 
 # ---------------------------------------------------------------------------------- relserve.client and CLI

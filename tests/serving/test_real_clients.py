@@ -27,26 +27,21 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import urllib.request
-from pathlib import Path
 
 import pytest
-from google.protobuf import json_format, message_factory
 
 from fixtures import client_venvs
-from fixtures.client_venvs import HUGGINGFACE_HUB, KSERVE, TRITONCLIENT, ClientVenv, VenvBuildError
+from fixtures.api_table import grpcurl, table_calls
+from fixtures.client_venvs import HUGGINGFACE_HUB, KSERVE, TRITONCLIENT
 from fixtures.deberta import make_deberta_checkpoint
 from fixtures.fake_serving import server_config
 from fixtures.server import Running
 from fixtures.translation import make_tiny_checkpoint
-from relserve.service._proto import grpc_predict_v2_pb2 as v2
 from relserve.service._proto import inference_pb2 as pb
 from relserve.service.config import ModelConfig
 from relserve.service.registry import build_runner
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 LABELS = ("a", "b", "c")
 TEXTS = ["the film was a quiet delight", "a dull and tiring evening"]
 PAIRS = ["it was good", "it was bad"]
@@ -87,32 +82,21 @@ def srv(venvs, unigram_tokenizer_dir, tmp_path_factory):
     s.close()
 
 
-def _run(venvs, venv: ClientVenv, script: str, *args: str, env: dict | None = None) -> dict:
-    try:
-        python = venvs[venv.name].result(timeout=900)
-    except VenvBuildError as exc:
-        pytest.fail(str(exc))
-    done = subprocess.run([python, str(FIXTURES / script), *args], capture_output=True, text=True, timeout=300,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout)
-
-
 @pytest.fixture(scope="module")
 def kserve_out(venvs, srv):
-    return _run(venvs, KSERVE, "kserve_script.py", srv.http_base, f"127.0.0.1:{srv.port}", json.dumps(SPEC))
+    return client_venvs.run_script(venvs, KSERVE, "kserve_script.py", srv.http_base, f"127.0.0.1:{srv.port}", json.dumps(SPEC))
 
 
 @pytest.fixture(scope="module")
 def triton_out(venvs, srv):
-    return _run(venvs, TRITONCLIENT, "tritonclient_http_script.py", srv.http_target, json.dumps(SPEC))
+    return client_venvs.run_script(venvs, TRITONCLIENT, "tritonclient_http_script.py", srv.http_target, json.dumps(SPEC))
 
 
 @pytest.fixture(scope="module")
 def hf_out(venvs, srv, tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env.update(HF_HOME=str(tmp_path_factory.mktemp("hf_home")), HF_HUB_DISABLE_TELEMETRY="1")
-    return _run(venvs, HUGGINGFACE_HUB, "hf_client_script.py", srv.http_base, json.dumps(SPEC), env=env)
+    return client_venvs.run_script(venvs, HUGGINGFACE_HUB, "hf_client_script.py", srv.http_base, json.dumps(SPEC), env=env)
 
 
 # ------------------------------------------------------------------------------------ relserve.v1's answers
@@ -306,9 +290,7 @@ def test_hf_errors_reach_the_client_with_their_status(hf_out):
 def _table_calls(models: tuple[str, ...] | None = None) -> list[str]:
     """The curl and grpcurl calls in the cells of docs/api.md's "Every surface, every task" table; with
     ``models``, those to one of them (tests/serving/test_pipeline_tasks_server.py runs the pipeline tasks')."""
-    section = API_DOC.read_text(encoding="utf-8").split("\n## Every surface, every task\n", 1)[-1].split("\n## ")[0]
-    rows = [line for line in section.splitlines() if line.startswith("| [")]
-    calls = [call for row in rows for call in re.findall(r"`((?:grpcurl|curl) [^`]+)`", row)]
+    calls = table_calls()
     return calls if models is None else [c for c in calls if _table_model(c) in models]
 
 
@@ -343,12 +325,4 @@ def test_the_api_tables_calls_run_as_written(srv, call):
             assert json.loads(reply.read())
         return
     assert argv[:2] == ["grpcurl", "-plaintext"] and argv[-2] == "127.0.0.1:50051", argv
-    service, method = argv[-1].rsplit("/", 1)
-    descriptor = next(d.services_by_name[service.rsplit(".", 1)[1]].methods_by_name[method]
-                      for d in (pb.DESCRIPTOR, v2.DESCRIPTOR) if d.package == service.rsplit(".", 1)[0])
-    request_class = message_factory.GetMessageClass(descriptor.input_type)
-    reply_class = message_factory.GetMessageClass(descriptor.output_type)
-    rpc = srv.channel.unary_unary(f"/{service}/{method}", request_serializer=request_class.SerializeToString,
-                                  response_deserializer=reply_class.FromString)
-    reply = rpc(json_format.Parse(body, request_class()), timeout=60)
-    assert reply.ByteSize() > 0
+    assert grpcurl(srv.channel, argv[-1], body).ByteSize() > 0

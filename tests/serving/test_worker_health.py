@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -22,10 +21,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from grpc_health.v1 import health_pb2  # noqa: E402
-
 from fixtures.deberta import make_deberta_checkpoint  # noqa: E402
 from fixtures.fake_serving import server_config  # noqa: E402
+from fixtures.health_watch import NOT_SERVING, SERVING, WAIT_S, HealthWatch  # noqa: E402
+from fixtures.health_watch import wait_until as _wait_until  # noqa: E402
 from fixtures.server import Running, process_alive, wait_gone  # noqa: E402
 from relserve.service._proto import grpc_predict_v2_pb2 as v2  # noqa: E402
 from relserve.service._proto import grpc_predict_v2_pb2_grpc as v2_grpc  # noqa: E402
@@ -35,10 +34,7 @@ from relserve.service.backends.worker import WorkerBackend, batch_timeout  # noq
 from relserve.service.config import ConfigError, ModelConfig  # noqa: E402
 from relserve.service.registry import build_runner  # noqa: E402
 
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 TEXTS = ["some text", "some longer text about Berlin", "x"]
-WAIT_S = 120  # how long a condition may take on a busy 2-core machine (no timing is asserted)
 
 
 @pytest.fixture(scope="module")
@@ -81,15 +77,6 @@ def _assert_same(a, b) -> None:
         assert [s.score for s in x.labels] == pytest.approx([s.score for s in y.labels], abs=1e-5)
 
 
-def _wait_until(condition, what: str):
-    end = time.monotonic() + WAIT_S
-    while time.monotonic() < end:
-        if condition():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"never happened: {what}")
-
-
 class OtherModelCalls:
     """Calls model ``other`` back to back in a thread while the block runs; every call must succeed."""
 
@@ -113,32 +100,6 @@ class OtherModelCalls:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(60)
-
-
-class HealthWatch:
-    """The statuses grpc.health.v1 Watch streams for one service, in order, from a thread."""
-
-    def __init__(self, srv, service: str) -> None:
-        self.statuses: list[int] = []
-        self._call = srv.health.Watch(health_pb2.HealthCheckRequest(service=service), timeout=WAIT_S * 2)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        _wait_until(lambda: self.statuses, f"the first status of {service!r}")
-
-    def _run(self) -> None:
-        try:
-            for reply in self._call:
-                self.statuses.append(reply.status)
-        except grpc.RpcError:
-            pass
-
-    def saw_recovery(self) -> bool:
-        """NOT_SERVING, then SERVING after it."""
-        return NOT_SERVING in self.statuses and SERVING in self.statuses[self.statuses.index(NOT_SERVING):]
-
-    def close(self) -> None:
-        self._call.cancel()
-        self._thread.join(10)
 
 
 def test_every_model_has_its_own_health_service(srv):
