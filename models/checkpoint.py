@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .architectures import ARCHITECTURES, DEFAULT_MODEL_TYPE, model_type_problem, served_architecture, supported_summary
 from .deberta import (
     DebertaConfig,
     DebertaForQuestionAnswering,
@@ -88,18 +89,19 @@ TOKENIZER_FILES = (
 
 TRANSLATION_ENCODER_TYPES = ("bigru", "deberta")
 
-# config.json model_type -> (config class, {architecture: (task, model class)}); a missing model_type means v2
+# config.json model_type -> (config class, {architecture: (task, model class)}), from the name table
+# (models/architectures.py) and the head class of each task
+_HEADS: dict[str, tuple[type[DebertaConfig], dict[str, type[nn.Module]]]] = {
+    "deberta-v2": (DebertaConfig, {"classification": DebertaForSequenceClassification,
+                                   "question-answering": DebertaForQuestionAnswering,
+                                   "token-classification": DebertaForTokenClassification}),
+    "deberta": (DebertaV1Config, {"classification": DebertaV1ForSequenceClassification,
+                                  "question-answering": DebertaV1ForQuestionAnswering,
+                                  "token-classification": DebertaV1ForTokenClassification}),
+}
 _FAMILIES: dict[str, tuple[type[DebertaConfig], dict[str, tuple[str, type[nn.Module]]]]] = {
-    "deberta-v2": (DebertaConfig, {
-        "DebertaV2ForSequenceClassification": ("classification", DebertaForSequenceClassification),
-        "DebertaV2ForQuestionAnswering": ("question-answering", DebertaForQuestionAnswering),
-        "DebertaV2ForTokenClassification": ("token-classification", DebertaForTokenClassification),
-    }),
-    "deberta": (DebertaV1Config, {
-        "DebertaForSequenceClassification": ("classification", DebertaV1ForSequenceClassification),
-        "DebertaForQuestionAnswering": ("question-answering", DebertaV1ForQuestionAnswering),
-        "DebertaForTokenClassification": ("token-classification", DebertaV1ForTokenClassification),
-    }),
+    mt: (_HEADS[mt][0], {arch: (task, _HEADS[mt][1][task]) for arch, task in archs.items()})
+    for mt, archs in ARCHITECTURES.items()
 }
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
 SUPPORTED_ARCHITECTURES = tuple(a for _, archs in _FAMILIES.values() for a in archs)
@@ -181,30 +183,20 @@ class LoadedCheckpoint:
     path: str
 
 
-def supported_summary() -> str:
-    """Every model_type with the architectures served for it, as refusal messages name them."""
-    return "; ".join(f"model_type {mt!r}: {', '.join(archs)}" for mt, (_, archs) in _FAMILIES.items())
-
-
 def _model_type(raw: dict, where: str) -> str:
-    model_type = raw.get("model_type") or "deberta-v2"
-    if model_type not in _FAMILIES:
-        raise CheckpointError(f"{where}: model_type {model_type!r} is not supported; supported: {supported_summary()}")
+    model_type = raw.get("model_type") or DEFAULT_MODEL_TYPE
+    problem = model_type_problem(model_type)
+    if problem:
+        raise CheckpointError(f"{where}: {problem}")
     return model_type
 
 
 def _architecture(architectures: list[str] | None, model_type: str, where: str) -> str:
     """The first of ``architectures`` served for ``model_type``; the refusal lists exactly what is."""
-    archs = _FAMILIES[model_type][1]
-    supported = ", ".join(archs)
-    if not architectures:
-        raise CheckpointError(f"{where}: no 'architectures' entry; cannot tell the task (supported for model_type "
-                              f"{model_type!r}: {supported})")
-    for arch in architectures:
-        if arch in archs:
-            return arch
-    raise CheckpointError(f"{where}: unsupported architectures {architectures} for model_type {model_type!r}; "
-                          f"supported: {supported_summary()}")
+    arch, problem = served_architecture(architectures, model_type)
+    if problem:
+        raise CheckpointError(f"{where}: {problem}")
+    return arch
 
 
 def task_for_architectures(architectures: list[str] | None, where: str = CONFIG_NAME,

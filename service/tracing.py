@@ -30,6 +30,7 @@ import contextvars
 import logging
 import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
+from urllib.parse import urlsplit
 
 from .errors import ConfigError
 
@@ -118,7 +119,8 @@ def endpoint_from(flag: str | None, env: Mapping[str, str]) -> tuple[str | None,
     else ``http/protobuf``.
 
     Raises:
-        ConfigError: a protocol other than http/protobuf or grpc (http/json has no exporter here).
+        ConfigError: a protocol other than http/protobuf or grpc (http/json has no exporter here), or a ``flag``
+            that is not an http(s) URL with a host (the exporter would drop every span without a word).
     """
     protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
                 or "http/protobuf").strip().lower()
@@ -126,6 +128,10 @@ def endpoint_from(flag: str | None, env: Mapping[str, str]) -> tuple[str | None,
         raise ConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL {protocol!r} is not supported; use http/protobuf or grpc")
     if not flag:
         return None, protocol
+    url = urlsplit(flag)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise ConfigError(f"otlp_endpoint {flag[:200]!r} is not a collector URL; give http(s)://HOST[:PORT], e.g. "
+                          f"http://collector:4318")
     if protocol == "http/protobuf" and not flag.rstrip("/").endswith("/v1/traces"):
         return flag.rstrip("/") + "/v1/traces", protocol
     return flag, protocol

@@ -10,6 +10,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from relserve.models.architectures import DEFAULT_MODEL_TYPE, model_type_problem, served_architecture
+
 from ..auth import check_tls_files, read_tokens
 from ..cpu_features import CPU_BF16_ENV, bf16_support, cpu_bf16_mode
 from ..errors import ConfigError
@@ -169,8 +171,9 @@ def check_model_files(m: ModelConfig) -> None:
     """The files ``m`` is served from, checked before the server binds a port: the directory readable,
     ``config.json`` a readable JSON object, the weights (``model.safetensors``: its header too; or
     ``pytorch_model.bin``) and the tokenizer files readable (translation: the SentencePiece files its config
-    names; encoders: ``tokenizer.json``, ``spm.model`` or ``vocab.json`` + ``merges.txt``). Whether the weights
-    fit the architecture is the backend's check at load. No torch.
+    names; encoders: ``tokenizer.json``, ``spm.model`` or ``vocab.json`` + ``merges.txt``), and an encoder's
+    ``model_type`` and ``architectures`` among those served (:mod:`relserve.models.architectures`). Whether the
+    weights fit the architecture is the backend's check at load. No torch.
 
     Raises:
         ConfigError: naming the model, the path and the problem.
@@ -197,6 +200,13 @@ def check_model_files(m: ModelConfig) -> None:
     if not isinstance(raw.get("model_type", ""), str):
         raise ConfigError(f"{where}: {str(cfg_path)!r}: model_type must be a string, got {raw['model_type']!r}")
     translation = raw.get("model_type") == "rnnsearch"
+    if not translation:  # the served families and heads, known by name: refused here, not after the ports are bound
+        model_type = raw.get("model_type") or DEFAULT_MODEL_TYPE
+        architectures = raw.get("architectures")
+        problem = model_type_problem(model_type) or served_architecture(
+            architectures if isinstance(architectures, list) else None, model_type)[1]
+        if problem:
+            raise ConfigError(f"{where}: {str(cfg_path)!r}: {problem}")
     weights = [root / n for n in (_WEIGHTS[:1] if translation else _WEIGHTS) if n in names]
     if not weights:
         raise ConfigError(f"{where}: no weights in {str(root)!r} (expected "

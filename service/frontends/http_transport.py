@@ -60,7 +60,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 import grpc
 from aiohttp import web
@@ -417,7 +417,8 @@ class HttpTransport:
         """
         return await self.decode(await self.read(request), loads)
 
-    def counted_loads(self, raw: bytes, fields: Sequence[Sequence[str]], task: str) -> dict:
+    def counted_loads(self, raw: bytes, fields: Sequence[Sequence[str]], task: str,
+                      keys: Mapping[str, str] | None = None) -> dict:
         """The JSON object of ``raw`` (:func:`.json_codec.loads`) with its arrays ``fields`` counted first, as
         relserve.v1's gRPC port counts a request's repeated fields before parsing it: an array with more
         entries than ``max(WIRE_COUNT_MIN, the most any served model takes)`` is refused after that many
@@ -427,21 +428,28 @@ class HttpTransport:
         Args:
             fields: per array, the names it may have (the first holds the texts; see :meth:`check_counts`);
                 the last name is the protobuf field's, which messages use.
+            keys: per array name, the model config key that bounds it (default ``max_request_texts``).
 
         Raises:
             CountRefused: an array over the limit.
             InvalidArgument: as :func:`.json_codec.loads`.
         """
-        limits = [r.config.max_request_texts for r in self.registry.runners.values()
-                  if getattr(getattr(r, "config", None), "max_request_texts", None) is not None]
-        if fields and limits:
-            limit = max(limits)
-            cap = max(limit, WIRE_COUNT_MIN)
-            over = count_top_arrays(raw, {name: cap for names in fields for name in names})
+        limits: dict[str, tuple[int, str]] = {}
+        for names in fields:
+            for name in names:
+                key = (keys or {}).get(name, "max_request_texts")
+                most = [getattr(r.config, key) for r in self.registry.runners.values()
+                        if getattr(getattr(r, "config", None), key, None) is not None]
+                if most:
+                    limits[name] = (max(most), key)
+        if limits:
+            caps = {name: max(limit, WIRE_COUNT_MIN) for name, (limit, _key) in limits.items()}
+            over = count_top_arrays(raw, caps)
             if over is not None:
                 name, model = over
+                limit, key = limits[name]
                 field = next(names[-1] for names in fields if name in names)
-                raise CountRefused(str(TooManyEntries(field, cap, limit, model).refusal()), model)
+                raise CountRefused(str(TooManyEntries(field, caps[name], limit, model, key).refusal()), model)
         return self.check_counts(loads(raw), fields, task)
 
     def check_counts(self, body: dict, fields: Sequence[Sequence[str]], task: str) -> dict:

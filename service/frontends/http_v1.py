@@ -59,7 +59,12 @@ _ROUTES = {
 # relserve.v1's servicer; zero-shot and rerank run on classification models under their own task label
 _OWN_TASK_CHECK = (TASK_ZERO_SHOT, TASK_TOKEN_CLASSIFICATION, TASK_RERANK)
 # per task, the arrays of a /v1 body counted before protobuf's mapping copies them (HttpTransport.counted_loads)
-_COUNTED = {TASK_CLASSIFICATION: (("texts",), ("textPairs", "text_pairs")), TASK_TRANSLATION: (("texts",),)}
+_COUNTED = {TASK_CLASSIFICATION: (("texts",), ("textPairs", "text_pairs")), TASK_TRANSLATION: (("texts",),),
+            TASK_TOKEN_CLASSIFICATION: (("texts",),),
+            TASK_ZERO_SHOT: (("texts",), ("candidateLabels", "candidate_labels")), TASK_RERANK: (("texts",),)}
+# the config key bounding an array where it is not max_request_texts (the gRPC port's wire count names the same)
+_COUNT_KEYS = {TASK_ZERO_SHOT: {"candidateLabels": "max_candidate_labels", "candidate_labels": "max_candidate_labels"},
+               TASK_RERANK: {"texts": "max_rerank_texts"}}
 _TASK_OF_PATH = {**{path: route[0] for path, route in _ROUTES.items()}, "/v1/models": "list_models"}
 
 
@@ -105,7 +110,7 @@ class _V1:
         try:
             # a large body's JSON and protobuf mapping run in the transport's decode thread, off the event loop
             await self.core.decode(raw, lambda data: json_format.ParseDict(
-                self.core.counted_loads(data, _COUNTED.get(task, ()), task), message))
+                self.core.counted_loads(data, _COUNTED.get(task, ()), task, _COUNT_KEYS.get(task)), message))
         except CountRefused as exc:  # answered and counted by _run, on its model, as the codec's count check
             message = exc
         except (InvalidArgument, json_format.ParseError) as exc:

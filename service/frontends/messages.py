@@ -81,5 +81,6 @@ def check_message_size(message: Any, limit: int, what: str) -> None:
     if size > limit:
         raise ResourceExhausted(
             f"the {what} is {size} bytes, over the server's max_send_message_length of {limit} bytes; send fewer "
-            f"or shorter texts, ask for fewer hypotheses or alignments, or raise the limit in the server config"
+            f"or shorter texts, ask for less per text (fewer hypotheses or alignments; entities: a coarser "
+            f"aggregation_strategy or more ignore_labels), or raise the limit in the server config"
         )

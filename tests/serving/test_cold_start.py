@@ -170,3 +170,18 @@ def test_export_dir_served_as_is_and_refused_for_another_checkpoint(ckpt, unigra
     for text in (f"model 'm': onnx_path '{out}' was exported from another checkpoint",
                  checkpoint_hash(ckpt.path, EXPORT_VERSION), checkpoint_hash(other, EXPORT_VERSION), f"'{other}'"):
         assert text in err
+
+
+def test_an_architecture_not_served_exits_2_before_any_port_is_bound(ckpt, tmp_path, capsys):
+    masked = tmp_path / "masked"
+    shutil.copytree(ckpt.path, masked)
+    config = json.loads((masked / "config.json").read_text())
+    (masked / "config.json").write_text(json.dumps({**config, "architectures": ["DebertaV2ForMaskedLM"]}))
+    ports = [_free_port(), _free_port()]
+    code = main(["serve", "--model", f"mlm={masked}", "--host", "127.0.0.1", "--port", str(ports[0]),
+                 "--metrics-port", str(ports[1])])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "model 'mlm'" in err and "unsupported architectures ['DebertaV2ForMaskedLM']" in err
+    assert "DebertaV2ForTokenClassification" in err  # the refusal lists what is served
+    assert all(_bindable(p) for p in ports)

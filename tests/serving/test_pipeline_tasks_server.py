@@ -449,6 +449,19 @@ def test_a_blank_rerank_query_is_refused_on_every_surface_without_model_work(wor
     assert _batch_units() == before
 
 
+@pytest.mark.parametrize("path,body,field,key", [
+    ("/v1/rerank", {"model": RERANKER, "query": "q", "texts": ["a"] * 2000}, "texts", "max_rerank_texts"),
+    ("/v1/zero-shot-classify", {"model": NLI, "texts": ["a"], "candidateLabels": ["b"] * 2000}, "candidate_labels",
+     "max_candidate_labels"),
+    ("/v1/classify-tokens", {"model": NER, "texts": ["a"] * 2000}, "texts", "max_request_texts"),
+])
+def test_huge_v1_arrays_are_counted_before_the_body_is_parsed(world, path, body, field, key):
+    # the wire count's message (not the task's): the array was refused after 1,025 element scans, unparsed
+    status, reply = _post(world[0], path, body)
+    assert (status, reply["code"]) == (400, "INVALID_ARGUMENT"), reply
+    assert f"the request has more than 1024 {field}" in reply["error"] and f"({key})" in reply["error"], reply
+
+
 def test_request_metrics_carry_the_operations_task_labels(world):
     srv = world[0]
     srv.stub.Rerank(pb.RerankRequest(model=RERANKER, query=QUERY, texts=TEXTS), timeout=60)

@@ -39,6 +39,9 @@ def test_endpoint_and_protocol():
     assert not tracing.wanted(None, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_TRACES_EXPORTER": "none"})
     with pytest.raises(ConfigError, match="http/json"):
         tracing.endpoint_from("http://c:4318", {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
+    for bad in ("not a url", "ftp://x", "http://", "collector:4318"):
+        with pytest.raises(ConfigError, match="otlp_endpoint .* is not a collector URL"):
+            tracing.endpoint_from(bad, {})
     assert not tracing.configure(None, {}) and not tracing.ENABLED
 
 
