@@ -16,6 +16,7 @@ from fixtures.deberta import make_deberta_checkpoint  # noqa: E402
 from relserve.service.backends import create_backend  # noqa: E402
 from relserve.service.backends.heap import HeapBound  # noqa: E402
 from relserve.service.backends.padding import WarmupEncoding  # noqa: E402
+from relserve.service.backends.torch_device import KERNEL_CACHE_ENV  # noqa: E402
 from relserve.service.config import ModelConfig  # noqa: E402
 
 MIB = 1 << 20
@@ -66,7 +67,12 @@ def _soak(path, heap_trim_mb: int) -> tuple[float, list]:
         backend.close()
 
 
-def test_new_shapes_leave_the_worker_within_its_bound(checkpoint):
+def test_new_shapes_leave_the_worker_within_its_bound(checkpoint, monkeypatch):
+    # an in-process model loaded earlier in this session capped the kernel caches in os.environ
+    # (torch_device.bound_kernel_caches), which a worker started now would inherit: the unbounded worker must
+    # start from torch's defaults, as a worker of a fresh server does
+    for name in KERNEL_CACHE_ENV:
+        monkeypatch.delenv(name, raising=False)
     bounded, bounded_results = _soak(checkpoint, SLACK_MB)
     unbounded, unbounded_results = _soak(checkpoint, 0)
     print(f"worker growth after warm-up: {bounded:.1f} MiB bounded, {unbounded:.1f} MiB with heap_trim_mb 0")
