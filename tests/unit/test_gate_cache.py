@@ -25,7 +25,8 @@ def _safetensors(path, header=b'{"__metadata__":{}}'):
 def ckpt(tmp_path):
     d = tmp_path / "ckpt"
     d.mkdir()
-    (d / "config.json").write_text('{"model_type": "deberta-v2"}')
+    (d / "config.json").write_text(json.dumps({"model_type": "deberta-v2",
+                                               "architectures": ["DebertaV2ForSequenceClassification"]}))
     _safetensors(d / "model.safetensors")
     (d / "tokenizer.json").write_text("{}")
     return d
@@ -110,6 +111,9 @@ def test_shipped_decision_is_used_when_its_key_fits(config, ckpt):
     (lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 20), r"is not a safetensors file"),
     (lambda d: os.chmod(d / "model.safetensors", 0), r"cannot be read \(Permission denied\)"),
     (lambda d: (d / "tokenizer.json").unlink(), r"no tokenizer in"),
+    (lambda d: (d / "config.json").write_text('{"architectures": ["DebertaV2ForMaskedLM"]}'),
+     r"unsupported architectures \['DebertaV2ForMaskedLM'\] for model_type 'deberta-v2'"),
+    (lambda d: (d / "config.json").write_text('{"model_type": "bert"}'), r"model_type 'bert' is not supported"),
 ])
 def test_model_files_checked_before_any_bind(ckpt, config, damage, problem):
     check_model_files(config)
