@@ -119,22 +119,12 @@ class _HfInference:
         if "inputs" not in body:
             raise InvalidArgument('the request body needs "inputs"')
         inputs = body["inputs"]
-        if _operation(runner, body) == zero_shot.TASK_ZERO_SHOT:
-            parameters = http_calls.obj(body.get("parameters"), "parameters", _ZERO_SHOT_PARAMETERS)
-            return await _zero_shot(runner, inputs, parameters, deadline)
-        if runner.task == TASK_CLASSIFICATION:
-            parameters = http_calls.obj(body.get("parameters"), "parameters", _CLASSIFY_PARAMETERS)
-            return await _classify(runner, inputs, parameters, deadline)
-        if runner.task == TASK_TOKEN_CLASSIFICATION:
-            parameters = http_calls.obj(body.get("parameters"), "parameters", _TOKEN_PARAMETERS)
-            return await _classify_tokens(runner, inputs, parameters, deadline)
-        if runner.task == TASK_QA:
-            parameters = http_calls.obj(body.get("parameters"), "parameters", _QA_PARAMETERS)
-            return await _answer(runner, inputs, parameters, deadline)
-        if runner.task == TASK_TRANSLATION:
-            parameters = http_calls.obj(body.get("parameters"), "parameters", _TRANSLATE_PARAMETERS)
-            return await _translate(runner, inputs, parameters, deadline)
-        raise FailedPrecondition(f"model {runner.name!r} is a {runner.task} model, which this API does not serve")
+        operation = _OPERATIONS.get(_operation(runner, body) or runner.task)
+        if operation is None:
+            raise FailedPrecondition(f"model {runner.name!r} is a {runner.task} model, which this API does not serve")
+        allowed, handler = operation
+        parameters = http_calls.obj(body.get("parameters"), "parameters", allowed)
+        return await handler(runner, inputs, parameters, deadline)
 
 
 def _operation(runner: Any, body: Any) -> str | None:
@@ -248,3 +238,13 @@ def _entity(e: Any) -> dict:
     if e.entity_group is not None:
         return {"entity_group": e.entity_group, "score": e.score, "word": e.word, "start": e.start, "end": e.end}
     return {"entity": e.entity, "score": e.score, "index": e.index, "word": e.word, "start": e.start, "end": e.end}
+
+
+# per operation (a model's task, or zero-shot on a classification model): the parameters it takes and its handler
+_OPERATIONS = {
+    zero_shot.TASK_ZERO_SHOT: (_ZERO_SHOT_PARAMETERS, _zero_shot),
+    TASK_CLASSIFICATION: (_CLASSIFY_PARAMETERS, _classify),
+    TASK_TOKEN_CLASSIFICATION: (_TOKEN_PARAMETERS, _classify_tokens),
+    TASK_QA: (_QA_PARAMETERS, _answer),
+    TASK_TRANSLATION: (_TRANSLATE_PARAMETERS, _translate),
+}
