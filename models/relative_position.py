@@ -267,10 +267,13 @@ def relative_position_bias_reference(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op(f"{TORCH_NAMESPACE}::log_bucket_relative_position", mutates_args=())
-def _log_bucket_op(query_length: int, key_length: int, bucket_size: int, max_position: int,
+def _log_bucket_kernel(query_length: int, key_length: int, bucket_size: int, max_position: int,
                    device: torch.device) -> Tensor:
     return log_bucket_relative_position_reference(query_length, key_length, bucket_size, max_position, device)
+
+
+_log_bucket_op = torch.library.custom_op(f"{TORCH_NAMESPACE}::log_bucket_relative_position", _log_bucket_kernel,
+                                         mutates_args=())
 
 
 @_log_bucket_op.register_fake
@@ -278,8 +281,7 @@ def _(query_length, key_length, bucket_size, max_position, device):
     return torch.empty((query_length, key_length), dtype=torch.long, device=device)
 
 
-@torch.library.custom_op(f"{TORCH_NAMESPACE}::disentangled_attention_bias", mutates_args=())
-def _disentangled_op(query_layer: Tensor, key_layer: Tensor, pos_query: Optional[Tensor], pos_key: Optional[Tensor],
+def _disentangled_kernel(query_layer: Tensor, key_layer: Tensor, pos_query: Optional[Tensor], pos_key: Optional[Tensor],
                      relative_pos: Tensor, att_span: int, scale: float, c2p: bool, p2c: bool) -> Tensor:
     args = (query_layer, key_layer, pos_query, pos_key, relative_pos, att_span, scale, c2p, p2c)
     if query_layer.device.type != "cpu":
@@ -295,17 +297,23 @@ def _disentangled_op(query_layer: Tensor, key_layer: Tensor, pos_query: Optional
     return bias.contiguous()
 
 
+_disentangled_op = torch.library.custom_op(f"{TORCH_NAMESPACE}::disentangled_attention_bias", _disentangled_kernel,
+                                           mutates_args=())
+
+
 @_disentangled_op.register_fake
 def _(query_layer, key_layer, pos_query, pos_key, relative_pos, att_span, scale, c2p, p2c):
     B, n, Tq, _ = query_layer.shape
     return query_layer.new_empty((B, n, Tq, key_layer.shape[2]))
 
 
-@torch.library.custom_op(f"{TORCH_NAMESPACE}::relative_position_bias", mutates_args=())
-def _t5_bias_op(bias_table: Tensor, query_length: int, key_length: int, max_distance: int,
+def _t5_bias_kernel(bias_table: Tensor, query_length: int, key_length: int, max_distance: int,
                 is_bidirectional: bool) -> Tensor:
     return relative_position_bias_reference(bias_table, query_length, key_length, max_distance,
                                             is_bidirectional).contiguous()
+
+
+_t5_bias_op = torch.library.custom_op(f"{TORCH_NAMESPACE}::relative_position_bias", _t5_bias_kernel, mutates_args=())
 
 
 @_t5_bias_op.register_fake
@@ -316,8 +324,20 @@ def _(bias_table, query_length, key_length, max_distance, is_bidirectional):
 def log_bucket_relative_position(query_length: int, key_length: int, bucket_size: int, max_position: int,
                                  device: torch.device | str = "cpu") -> Tensor:
     """Long[Tq, Tk] (custom op ``relserve::log_bucket_relative_position``)."""
+    if _eager():
+        return _log_bucket_kernel(query_length, key_length, bucket_size, max_position, torch.device(device))
     return torch.ops.relserve.log_bucket_relative_position(query_length, key_length, bucket_size, max_position,
                                                            torch.device(device))
+
+
+def _eager() -> bool:
+    """Whether this call runs plain eager (no export, compile or trace): then the ops' kernels are called directly.
+
+    Why: the first eager call through ``torch.ops`` of a ``torch.library.custom_op`` imports TorchDynamo, sympy
+    and the inductor (about 830 modules, 65-70 MB of resident memory in every serving process); export, compile
+    and tracing still see one node per op.
+    """
+    return not (torch.compiler.is_exporting() or torch.compiler.is_compiling() or torch.jit.is_tracing())
 
 
 def _needs_grad(*tensors: Tensor | None) -> bool:
@@ -337,6 +357,9 @@ def disentangled_attention_bias(query_layer: Tensor, key_layer: Tensor, pos_quer
     if _needs_grad(query_layer, key_layer, pos_query, pos_key):
         return disentangled_attention_bias_reference(query_layer, key_layer, pos_query, pos_key, relative_pos,
                                                      att_span, float(scale), bool(c2p), bool(p2c))
+    if _eager():
+        return _disentangled_kernel(query_layer, key_layer, pos_query, pos_key, relative_pos, att_span, float(scale),
+                                    bool(c2p), bool(p2c))
     return torch.ops.relserve.disentangled_attention_bias(query_layer, key_layer, pos_query, pos_key, relative_pos,
                                                           att_span, float(scale), bool(c2p), bool(p2c))
 
@@ -347,6 +370,8 @@ def relative_position_bias(bias_table: Tensor, query_length: int, key_length: in
     if _needs_grad(bias_table):
         return relative_position_bias_reference(bias_table, query_length, key_length, max_distance,
                                                 bool(is_bidirectional))
+    if _eager():
+        return _t5_bias_kernel(bias_table, query_length, key_length, max_distance, bool(is_bidirectional))
     return torch.ops.relserve.relative_position_bias(bias_table, query_length, key_length, max_distance,
                                                      bool(is_bidirectional))
 

@@ -12,7 +12,13 @@
   a token's length shows in the timing); a missing, malformed or unknown token ends the call with
   UNAUTHENTICATED before the request is decoded. The status message never repeats what was sent.
   Clients (relserve.client, the load-test CLI) check their token with the same rule (:func:`resolve_token`).
-* Both are re-read while the server runs (:mod:`.secrets_watch`: SIGHUP and file changes); the server's
+* Admin tokens: ``admin_token_file`` (the same format) guards the model repository API (Triton's repository
+  extension: index, load, unload) with :class:`AdminTokenInterceptor`. Those methods need a token of that
+  file: none sent is UNAUTHENTICATED, any other token (an inference token included) PERMISSION_DENIED. An
+  admin token is not an inference token unless it is in ``auth_token_file`` too. Without ``admin_token_file``
+  the repository API is PERMISSION_DENIED when ``auth_token_file`` is set, and open (as Triton's) when
+  neither is.
+* All are re-read while the server runs (:mod:`.secrets_watch`: SIGHUP and file changes); the server's
   gRPC credentials then come from :func:`grpc.dynamic_ssl_server_credentials`, and
   :meth:`TokenAuthInterceptor.set_tokens` replaces the tokens.
 
@@ -186,19 +192,44 @@ class _RefusedLog:
         self.next_at = 0.0
         self.suppressed = 0
 
-    def note(self, method: str, reason: str) -> None:
+    def note(self, method: str, reason: str, code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED) -> None:
         now = time.monotonic()
         if now < self.next_at:
             self.suppressed += 1
             return
         # the method name is the client's :path: quoted and capped, so it cannot forge log lines or flood the log
-        log.warning("refused %s: %s (UNAUTHENTICATED; %d more refused since the last report)",
-                    shown(method, METHOD_LOG_LIMIT), reason, self.suppressed)
+        log.warning("refused %s: %s (%s; %d more refused since the last report)",
+                    shown(method, METHOD_LOG_LIMIT), reason, code.name, self.suppressed)
         self.next_at, self.suppressed = now + self.interval_s, 0
 
 
 def _digest(token: bytes) -> bytes:
     return hashlib.sha256(token).digest()
+
+
+def _bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> tuple[bytes | None, str]:
+    """The bearer token of ``metadata``, or None and why there is none (safe to send: it quotes nothing)."""
+    values = [v for k, v in (metadata or ()) if k.lower() == AUTH_METADATA_KEY]
+    if not values:
+        return None, "missing 'authorization' metadata; send 'authorization: Bearer <token>'"
+    if len(values) > 1:
+        return None, "more than one 'authorization' metadata entry; send exactly one 'Bearer <token>'"
+    value = values[0].encode("latin-1", "replace") if isinstance(values[0], str) else values[0]
+    scheme, _, token = value.partition(b" ")
+    token = token.strip()
+    if scheme.lower() != BEARER.encode() or not token:
+        return None, "the 'authorization' metadata is not of the form 'Bearer <token>'"
+    return token, ""
+
+
+def _accepted(token: bytes, digests: Sequence[bytes]) -> bool:
+    """Whether ``token`` is one of ``digests``' tokens: every one compared, whatever matched before (no early
+    exit, so neither the position of a match nor a token's length shows in the timing)."""
+    sent = _digest(token)
+    accepted = False
+    for known in digests:
+        accepted |= hmac.compare_digest(sent, known)
+    return accepted
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
@@ -236,22 +267,11 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
 
     def check(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
         """None when ``metadata`` carries an accepted token, else why not (safe to send: it quotes nothing)."""
-        values = [v for k, v in (metadata or ()) if k.lower() == AUTH_METADATA_KEY]
-        if not values:
-            return "missing 'authorization' metadata; send 'authorization: Bearer <token>'"
-        if len(values) > 1:
-            return "more than one 'authorization' metadata entry; send exactly one 'Bearer <token>'"
-        value = values[0].encode("latin-1", "replace") if isinstance(values[0], str) else values[0]
-        scheme, _, token = value.partition(b" ")
-        token = token.strip()
-        if scheme.lower() != BEARER.encode() or not token:
-            return "the 'authorization' metadata is not of the form 'Bearer <token>'"
-        sent = _digest(token)
-        accepted = False
-        # every token is compared, whatever matched before; the attribute is read once (set_tokens swaps it whole)
-        for known in self._digests:
-            accepted |= hmac.compare_digest(sent, known)
-        return None if accepted else "the bearer token is not valid for this server"
+        token, reason = _bearer(metadata)
+        if token is None:
+            return reason
+        # the attribute is read once (set_tokens swaps it whole)
+        return None if _accepted(token, self._digests) else "the bearer token is not valid for this server"
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -270,13 +290,83 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         return _refusal(handler, reason)
 
 
-def _refusal(handler: grpc.RpcMethodHandler | None, reason: str) -> grpc.RpcMethodHandler:
+class AdminTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Guards the admin methods (the model repository API) with the tokens of ``admin_token_file``; every
+    other method passes untouched (:class:`TokenAuthInterceptor`, when installed, checks those and leaves these
+    to this one: its ``open_methods`` include them).
+
+    Args:
+        tokens: the admin tokens (:func:`read_tokens`); None: the server has none, and with inference tokens
+            configured every admin call is PERMISSION_DENIED (without any auth the server installs no guard:
+            the repository API is open, as Triton's).
+        methods: method-name prefixes (``/package.Service/Method``) that need an admin token.
+        on_refused: called with the full method name and the status of each refused call (metrics).
+
+    A refused request is never decoded, as :class:`TokenAuthInterceptor`'s.
+    """
+
+    def __init__(self, tokens: Sequence[bytes] | None, *, methods: Iterable[str],
+                 on_refused: Callable[[str, grpc.StatusCode], None] | None = None) -> None:
+        self._digests: tuple[bytes, ...] | None = None
+        if tokens is not None:
+            self.set_tokens(tokens)
+        self._methods = tuple(methods)
+        self._on_refused = on_refused
+        self._log = _RefusedLog()
+
+    def set_tokens(self, tokens: Sequence[bytes]) -> None:
+        """Replace the admin tokens (a reloaded ``admin_token_file``): from the next call on, a removed token is
+        refused.
+
+        Raises:
+            ValueError: no token.
+        """
+        if not tokens:
+            raise ValueError("AdminTokenInterceptor needs at least one token")
+        self._digests = tuple(_digest(t) for t in tokens)
+
+    def check(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> tuple[grpc.StatusCode, str] | None:
+        """None when ``metadata`` carries an admin token, else the refusal's status and why (safe to send)."""
+        digests = self._digests
+        if digests is None:
+            return (grpc.StatusCode.PERMISSION_DENIED,
+                    "the model repository API needs an admin token and this server has none: set "
+                    "admin_token_file (the inference tokens of auth_token_file do not open it)")
+        token, reason = _bearer(metadata)
+        if token is None:
+            return grpc.StatusCode.UNAUTHENTICATED, f"the model repository API needs an admin token: {reason}"
+        if not _accepted(token, digests):
+            return (grpc.StatusCode.PERMISSION_DENIED,
+                    "the bearer token is not an admin token of this server (admin_token_file); the model "
+                    "repository API takes admin tokens only")
+        return None
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = handler_call_details.method or ""
+        handler = await continuation(handler_call_details)
+        if not method.startswith(self._methods):
+            return handler
+        refused = self.check(handler_call_details.invocation_metadata)
+        if refused is None:
+            return handler
+        code, reason = refused
+        self._log.note(method, reason, code)
+        if self._on_refused is not None:
+            self._on_refused(method, code)
+        return _refusal(handler, reason, code)
+
+
+def _refusal(handler: grpc.RpcMethodHandler | None, reason: str,
+             code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED) -> grpc.RpcMethodHandler:
     """A handler of the same streaming kind as ``handler`` (unary-unary for an unknown method, so that an
-    unauthenticated caller learns nothing about which methods exist) that aborts with UNAUTHENTICATED. No
+    unauthenticated caller learns nothing about which methods exist) that aborts with ``code``. No
     deserializer: the request bytes are never parsed."""
 
     async def refuse(_request, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+        await context.abort(code, reason)
 
     request_streaming = bool(handler and handler.request_streaming)
     response_streaming = bool(handler and handler.response_streaming)

@@ -49,6 +49,14 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         self._status[service] = status
         self._notify()
 
+    def clear_now(self, service: str) -> None:
+        """``service`` is no longer known (a model unloaded): Check answers NOT_FOUND and Watch SERVICE_UNKNOWN,
+        what grpc.health.v1 says of a service it never knew; ignored after :meth:`enter_graceful_shutdown`."""
+        if self._shutting_down or service not in self._status:
+            return
+        del self._status[service]
+        self._notify()
+
     async def enter_graceful_shutdown(self) -> None:
         """Every known service becomes NOT_SERVING for good (open Watch streams are told at once)."""
         if self._shutting_down:

@@ -7,6 +7,8 @@
                    [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] [--auth-token-file FILE]
                    [--no-reflection] [--metrics-host HOST] [--health-port PORT [--health-host HOST]]
                    [--http-port PORT [--http-host HOST]]
+                   [--model-repository DIR]... [--model-control-mode none|poll|explicit] [--repository-poll-secs S]
+                   [--load-model NAME]... [--memory-limit-mb MIB] [--admin-token-file FILE]
                    [--max-connection-age S] [--max-connection-age-grace S] [--keepalive-time S]
                    [--keepalive-timeout S] [--keepalive-min-ping-interval S] [--[no-]keepalive-permit-without-calls]
     relserve export CHECKPOINT_DIR OUT_DIR [--opset 18] [--no-parity]   (see relserve.models.onnx.cli)

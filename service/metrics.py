@@ -97,6 +97,11 @@ MODEL_INFO = Gauge(
     "relserve_model_info", "Loaded models (value 1)", ["model", "family", "task", "backend", "device", "dtype"]
 )
 
+MODEL_LOADS = Counter(
+    "relserve_model_loads", "Model version loads of the model repository (outcome ok or failed)", ["model", "outcome"]
+)
+_model_info_labels: dict[str, tuple[str, ...]] = {}  # model -> its relserve_model_info labels (one series a model)
+
 MemorySource = Callable[[], dict[str, tuple[int, int, int]]]
 
 
@@ -253,7 +258,27 @@ def observe_queue(model: str, seconds: float) -> None:
 
 
 def set_model_info(model: str, family: str, task: str, backend: str, device: str, dtype: str) -> None:
-    MODEL_INFO.labels(model, family, task, backend, device, dtype).set(1)
+    labels = (model, family, task, backend, device, dtype)
+    previous = _model_info_labels.get(model)
+    if previous is not None and previous != labels:  # a new version of the model, e.g. another dtype
+        remove_model_info(model)
+    _model_info_labels[model] = labels
+    MODEL_INFO.labels(*labels).set(1)
+
+
+def remove_model_info(model: str) -> None:
+    """``model`` is no longer loaded (the model repository unloaded it): its relserve_model_info series goes."""
+    labels = _model_info_labels.pop(model, None)
+    if labels is not None:
+        try:
+            MODEL_INFO.remove(*labels)
+        except KeyError:
+            pass
+
+
+def count_model_load(model: str, ok: bool) -> None:
+    """One version load of a repository model ended (``relserve_model_loads_total{model, outcome}``)."""
+    MODEL_LOADS.labels(model, "ok" if ok else "failed").inc()
 
 
 def add_memory_source(source: MemorySource) -> None:

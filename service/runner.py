@@ -86,6 +86,10 @@ class Runner:
         self.unavailable: str | None = None
         # called with ``ready`` whenever it changes after start (the server's per-model health)
         self.readiness_listeners: list[Callable[[bool], None]] = []
+        # the repository version this runner serves ("1" for a model that is not from a versioned repository)
+        self.version = "1"
+        self._tokenizing = 0  # calls in this model's tokenization threads now (drain)
+        self._open_units: set[asyncio.Future] = set()  # reply slots of submitted units not yet answered (drain)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -123,6 +127,7 @@ class Runner:
         if self.meta is None:
             raise RuntimeError(f"model {self.name!r}: start() before load()")
         self.scheduler = self._make_scheduler()
+        self._count_submissions(self.scheduler)
         self.scheduler.trace_attributes = {"relserve.model": self.name, "relserve.backend": self.meta.backend,
                                            "relserve.dtype": self.meta.dtype}  # on each backend call's span
         self.scheduler.start()
@@ -155,6 +160,58 @@ class Runner:
             for listener in self.readiness_listeners:
                 listener(self.ready)
 
+    def _count_submissions(self, scheduler: Any) -> None:
+        """Keep the reply slot of every unit ``scheduler.submit`` queues until it is answered, so that
+        :meth:`drain` knows when the queue and the running batches of this model are done (every task submits
+        through ``submit``; the scheduler itself is shared code that need not know about draining)."""
+        submit = scheduler.submit
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            units = submit(*args, **kwargs)
+            for unit in units:
+                self._open_units.add(unit.future)
+                unit.future.add_done_callback(self._open_units.discard)
+            return units
+
+        scheduler.submit = counted
+
+    @property
+    def busy(self) -> bool:
+        """Work of this model is under way: a call tokenizing or holding queue places, units queued or in a
+        running batch."""
+        s = self.scheduler
+        return bool(self._tokenizing or self._open_units or (s is not None and (s.reserved or s.queue_depth)))
+
+    async def drain(self, timeout: float, settle: float = 0.05) -> bool:
+        """Wait until no work of this model is under way (:attr:`busy`) and has stayed so for ``settle`` seconds
+        (a call that looked this runner up just before it stopped being served reaches its queue meanwhile), at
+        most ``timeout`` seconds; then :meth:`close`. Work still under way at the timeout fails UNAVAILABLE.
+
+        Returns:
+            whether it drained within ``timeout``.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, timeout)
+        idle_since: float | None = None
+        drained = False
+        while True:
+            now = loop.time()
+            if self.busy:
+                idle_since = None
+            elif idle_since is None:
+                idle_since = now
+            elif now - idle_since >= settle:
+                drained = True
+                break
+            if now >= deadline:
+                break
+            await asyncio.sleep(0.005)
+        if not drained:
+            log.warning("model %r version %s: work still under way after %.1f s of draining ends UNAVAILABLE",
+                        self.name, self.version, timeout)
+        await self.close()
+        return drained
+
     async def close(self) -> None:
         """Stop the scheduler (queued and running work fails with UNAVAILABLE) and close the backend."""
         self.state = "closed"
@@ -167,7 +224,9 @@ class Runner:
         if self.backend.worker_processes:
             metrics.remove_worker_source(self.name, self.backend.process_stats)
         try:
-            self.backend.close()
+            # off the event loop: joining worker processes or freeing a model's weights takes seconds, and the
+            # other models (and, after a swap, this model's new version) serve meanwhile
+            await asyncio.to_thread(self.backend.close)
         except Exception:
             log.exception("model %r: backend close failed", self.name)
 
@@ -190,7 +249,11 @@ class Runner:
         if pool is None:
             raise Unavailable(f"model {self.name!r} is not ready (state: {self.state}); retry later")
         t0 = time.monotonic()
-        result = await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kwargs))
+        self._tokenizing += 1
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kwargs))
+        finally:
+            self._tokenizing -= 1
         seconds = time.monotonic() - t0
         metrics.observe_tokenization(self.name, seconds)
         if tracing.ENABLED:

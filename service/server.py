@@ -47,6 +47,7 @@ from .drain import InflightCalls
 from .health import HealthServicer
 from .backends.progress import log_phase
 from .registry import ModelRegistry, build_runner, check_models
+from .repository.manager import RepositoryManager
 from .runner import Runner
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,11 @@ def _count_unauthenticated(method: str) -> None:
                           protocol=refused_protocol(method))
 
 
+def _count_admin_refusal(method: str, status: grpc.StatusCode) -> None:
+    """A repository API call refused for its (admin) token: UNAUTHENTICATED or PERMISSION_DENIED."""
+    metrics.count_refused(refused_task(method), status.name, protocol=refused_protocol(method))
+
+
 def _count_guard_refusal(method: str, status: grpc.StatusCode) -> None:
     """A call the CallGuard answered itself (over max_concurrent_rpcs, request late or missing)."""
     metrics.count_refused(refused_task(method), status.name, protocol=refused_protocol(method))
@@ -165,6 +171,10 @@ class InferenceServer:
         self._inflight = InflightCalls((f"/{SERVICE_NAME}/", kserve_v2_grpc.INFER_METHOD))  # what a drain waits for
         self._runners_closed = False
         self.secrets: secrets_watch.SecretsWatch | None = None  # the TLS and token files' reloads (start())
+        # the model repository manager (service/repository/), handed to the frontends; without repositories it
+        # is in mode none with an empty index
+        self.repository = RepositoryManager(config, fixed=[r.name for r in runners] if runners is not None
+                                            else [m.name for m in config.models])
         # one per process: how the models' backend calls share the cores (compute_scheduling)
         self.compute = ComputeScheduler(config.compute_scheduling)
 
@@ -184,6 +194,7 @@ class InferenceServer:
         cfg = self.config
         if self._given_runners is None:  # every model's files before any port is bound: a typo costs no bind
             check_models(cfg.models)
+        self.repository.check_start()  # the repositories too (mode none: every model's files)
         # TLS files re-read while serving (secrets_watch): gRPC's credentials fetch the current certificate
         # at each handshake, the HTTP listener's context switches per connection
         self.tls = None
@@ -198,8 +209,17 @@ class InferenceServer:
             # kubelet gRPC probes cannot send metadata
             interceptors.append(auth.TokenAuthInterceptor(
                 auth.read_tokens(cfg.auth_token_file), on_refused=_count_unauthenticated,
-                open_methods=() if cfg.auth_health else (f"/{health.SERVICE_NAME}/", *kserve_v2_grpc.PROBE_METHODS)))
+                open_methods=(*kserve_v2_grpc.REPOSITORY_METHODS,  # the admin guard's (below)
+                              *(() if cfg.auth_health else (f"/{health.SERVICE_NAME}/",
+                                                            *kserve_v2_grpc.PROBE_METHODS)))))
         token_check = interceptors[0] if interceptors else None  # the HTTP/JSON port checks the same tokens
+        # the repository API takes admin tokens only; with no token file at all it is open, as Triton's
+        admin = None
+        if cfg.admin_token_file is not None or cfg.auth_token_file is not None:
+            admin = auth.AdminTokenInterceptor(
+                auth.read_tokens(cfg.admin_token_file, "admin_token_file") if cfg.admin_token_file else None,
+                methods=kserve_v2_grpc.REPOSITORY_METHODS, on_refused=_count_admin_refusal)
+            interceptors.append(admin)
         # every connection is a descriptor: the soft limit up to the hard one (logged); the HTTP listener's
         # connection cap stays below it (frontends/http_guard.py)
         self.open_files_limit = raise_open_files_limit()[1]
@@ -219,6 +239,7 @@ class InferenceServer:
         for runner in runners:
             runner.compute = self.compute
         self.registry = ModelRegistry(runners)
+        self.repository.attach(self.registry, self._model_health, self.compute)
 
         self.health = HealthServicer()  # its Watch streams end when a drain has answered the in-flight calls
         for service in HEALTH_SERVICES:
@@ -242,7 +263,8 @@ class InferenceServer:
                                      stream_write_timeout=cfg.stream_write_timeout or None)
         add_to_server(servicer, self.server)
         # KServe v2 / Open Inference Protocol beside relserve.v1: same port, interceptors, registry, metrics
-        kserve_v2_grpc.add_to_server(kserve_v2_grpc.GRPCInferenceServicer(self.registry, cfg.max_send_message_length),
+        kserve_v2_grpc.add_to_server(kserve_v2_grpc.GRPCInferenceServicer(self.registry, cfg.max_send_message_length,
+                                                                          repository=self.repository),
                                      self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if cfg.reflection:
@@ -263,11 +285,13 @@ class InferenceServer:
             # on this event loop, with the tokens, TLS files, message limits and the drain's call count
             # each HTTP surface adds its routes to the one listener
             from .frontends import hf_inference, http_v1, http_v2, kserve_v1, tei
+            from .frontends.http_repository import RepositorySurface
             from .frontends.http_transport import HttpTransport
             self._http = HttpTransport(self.registry, self._inflight, max_body=cfg.max_receive_message_length,
                                        max_reply=cfg.max_send_message_length, tokens=token_check,
                                        auth_health=cfg.auth_health,
-                                       surfaces=(http_v2, http_v1, kserve_v1, hf_inference, tei),
+                                       surfaces=(http_v2, http_v1, kserve_v1, hf_inference, tei,
+                                                 RepositorySurface(admin)), repository=self.repository,
                                        limits=ListenerLimits.from_config(cfg))
             tls = self.tls.ssl_context() if self.tls is not None else None
             self.http_port = await self._http.start(cfg.http_host or cfg.host, cfg.http_port, tls)
@@ -285,6 +309,8 @@ class InferenceServer:
         secrets = [secrets_watch.tls_secret(self.tls)] if self.tls is not None else []
         if token_check is not None:
             secrets.append(secrets_watch.token_secret("auth_token_file", cfg.auth_token_file, token_check.set_tokens))
+        if admin is not None and cfg.admin_token_file is not None:
+            secrets.append(secrets_watch.token_secret("admin_token_file", cfg.admin_token_file, admin.set_tokens))
         if secrets:  # re-read on SIGHUP and when a file changes
             self.secrets = secrets_watch.SecretsWatch(secrets)
             await self.secrets.start()
@@ -294,10 +320,13 @@ class InferenceServer:
         return self.port
 
     async def load_models(self) -> None:
-        """Load and warm up every model (each in a worker thread), then flip health to SERVING.
+        """Load and warm up every model (each in a worker thread), then the model repository's first loads
+        (:meth:`relserve.service.repository.manager.RepositoryManager.start`; in poll mode its polling starts),
+        then flip health to SERVING (with no model at all too: a repository server is ready empty).
 
         Raises:
-            Exception: the first model that fails to load; health stays NOT_SERVING.
+            Exception: the first model that fails to load (a repository model: in mode none only); health stays
+                NOT_SERVING.
         """
         assert self.registry is not None and self.health is not None
         for runner in self.registry.runners.values():
@@ -311,6 +340,8 @@ class InferenceServer:
             log_phase(info.name, "ready", time.monotonic() - t0,
                       f"{info.task}, {info.family}, {info.dtype} on {info.device}, max_seq_len {info.max_seq_len}, "
                       f"max_batch_size {info.max_batch_size}")
+        await self.repository.start()  # mode none: a repository model that fails stops the start, as one above
+        self.registry.starting = False
         await asyncio.to_thread(self._trim_heaps)
         if self.registry.draining:
             return
@@ -318,10 +349,15 @@ class InferenceServer:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving on %s:%d (models: %s)", self.config.host, self.port, ", ".join(self.registry.names()))
 
-    def _model_health(self, name: str, ready: bool) -> None:
+    def _model_health(self, name: str, ready: bool | None) -> None:
         """Model ``name``'s own grpc.health.v1 service follows its readiness (a worker being replaced turns it
-        NOT_SERVING); the server's ("" and the Inference service) stays as it is: the other models serve."""
-        if self.health is not None and name not in HEALTH_SERVICES:
+        NOT_SERVING); the server's ("" and the Inference service) stays as it is: the other models serve.
+        ``None``: the model was unloaded, its service is unknown again (Check NOT_FOUND, Watch SERVICE_UNKNOWN)."""
+        if self.health is None or name in HEALTH_SERVICES:
+            return
+        if ready is None:
+            self.health.clear_now(name)
+        else:
             self.health.set_now(name, health_pb2.HealthCheckResponse.SERVING if ready
                                 else health_pb2.HealthCheckResponse.NOT_SERVING)
 
@@ -370,6 +406,7 @@ class InferenceServer:
         if self._runners_closed:
             return
         self._runners_closed = True
+        await self.repository.close()  # its polling, drains under way and loaded versions that do not serve
         for runner in self.runners:
             await runner.close()
 

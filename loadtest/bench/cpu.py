@@ -5,6 +5,10 @@ server against its offline ideal, and iteration- vs request-level translation, e
     python -m relserve.loadtest.bench.cpu               # full: 3 repeats, 800 sentences, 20 s server runs
     python -m relserve.loadtest.bench.cpu --quick --parts offline --json out.json
 
+Its successor for the CPU table against OpenVINO (every offline and served row side by side with OpenVINO in one
+run, translation on every core and the default server's memory, with PASS / MISS) is
+:mod:`relserve.loadtest.bench.cpu_openvino`.
+
 What it builds (nothing is downloaded; everything lives in a temporary directory):
 
 * a tokenizer of its own: a Unigram (SentencePiece-style) ``tokenizer.json`` of 8000 pieces trained with the

@@ -190,8 +190,20 @@ def judge(reference: Sequence[Outcome], candidate: Sequence[Outcome], source: st
 
 def to_bfloat16(model: torch.nn.Module) -> torch.nn.Module:
     """A bfloat16 copy of ``model`` on its device (its forward hooks and unpadded switch come along); the
-    float32 model is left as it is, so a failed gate loses nothing."""
-    return copy.deepcopy(model).to(torch.bfloat16)
+    float32 model is left as it is, so a failed gate loses nothing.
+
+    Each floating-point parameter and buffer is cast straight into the copy (the deep copy's memo maps it to
+    its bfloat16 tensor; a weight shared by two modules stays shared), so the float32 weights are never copied
+    first: while the gate runs, the process holds float32 + bfloat16 weights, not twice float32 + bfloat16
+    (a deep copy cast afterwards) at its peak."""
+    memo: dict[int, Any] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if id(t) in memo or not t.is_floating_point():
+            continue
+        cast = t.detach().to(torch.bfloat16, copy=True)  # copy: a bfloat16 tensor must not be shared
+        memo[id(t)] = torch.nn.Parameter(cast, requires_grad=t.requires_grad) if isinstance(
+            t, torch.nn.Parameter) else cast
+    return copy.deepcopy(model, memo).to(torch.bfloat16)
 
 
 def decide(config: ModelConfig, plan_: Plan, task: str, outcomes: Callable[[list[dict[str, str]]], list[Outcome]],

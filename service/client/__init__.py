@@ -1,6 +1,6 @@
 """``relserve.client``: a thin blocking client for the relserve.v1 Inference API.
 
-Importing it loads grpcio, protobuf and the generated relserve.v1 stubs only (no torch, numpy or tokenizer
+Importing it loads grpcio, protobuf and the generated relserve.v1 and KServe v2 stubs only (no torch, numpy or tokenizer
 libraries; tests/serving/test_client.py checks it in a fresh interpreter), so applications that only call
 the server need not install what the server runs on. Modelled on the Triton and TEI Python clients: one
 object per server holding one channel, one method per RPC, keyword options named as the request fields.
@@ -15,10 +15,10 @@ Example::
 
 Replies are the RPC's protobuf reply messages (``ClassifyResponse``, ``AnswerResponse``,
 ``TranslateResponse``, ``TranslateStreamResponse``, ``ListModelsResponse``; fields as documented in
-proto/relserve/v1/inference.proto), not copies: the schema lives in one place. Every failure raises
-:class:`ClientError` carrying a gRPC status code and a message: the server's, or, for what is refused before
-anything is sent (an argument of the wrong type or out of its field's range, a closed client), a
-:class:`ClientUsageError` naming the parameter.
+proto/relserve/v1/inference.proto; the model repository calls' are KServe v2's, proto/kserve/v2), not
+copies: the schema lives in one place. Every failure raises :class:`ClientError` carrying a gRPC status code
+and a message: the server's, or, for what is refused before anything is sent (an argument of the wrong type or
+out of its field's range, a closed client), a :class:`ClientUsageError` naming the parameter.
 
 The command line over this client (``relserve call ...`` / ``python -m relserve.client ...``) is in
 :mod:`relserve.client.cli`.
@@ -35,6 +35,8 @@ from typing import Any, Iterator, Sequence
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 
+from relserve.service._proto import grpc_predict_v2_pb2 as v2
+from relserve.service._proto import grpc_predict_v2_pb2_grpc as v2_grpc
 from relserve.service._proto import inference_pb2 as pb
 from relserve.service._proto import inference_pb2_grpc as pb_grpc
 from relserve.service.auth import resolve_token  # the server's token rules (grpc and the stdlib only)
@@ -265,6 +267,7 @@ class Client:
         except (TypeError, ValueError) as exc:
             raise ClientUsageError(f"options must be (name, value) pairs of gRPC channel arguments: {exc}") from exc
         self._stub = pb_grpc.InferenceStub(self.channel)
+        self._v2 = v2_grpc.GRPCInferenceServiceStub(self.channel)  # the model repository calls
 
     # ------------------------------------------------------------------ plumbing
 
@@ -303,7 +306,7 @@ class Client:
 
     def classify(self, model: str, texts: str | Sequence[str], text_pairs: Sequence[str] | None = None, *,
                  top_k: int = 0, function_to_apply: str | None = None,
-                 timeout: float | None = None) -> pb.ClassifyResponse:
+                 model_version: str | None = None, timeout: float | None = None) -> pb.ClassifyResponse:
         """Classify texts (or text pairs, NLI-style): ``results[i].labels`` for ``texts[i]``, best first.
 
         Args:
@@ -313,6 +316,8 @@ class Client:
             top_k: labels per text; 0 returns all.
             function_to_apply: "softmax" | "sigmoid" | "none" (scores are then logits); None leaves the
                 request field unset, i.e. the model's default.
+            model_version: a loaded version of the model (ListModels' rows); None: the version that
+                serves it.
             timeout: deadline in seconds for this call (default: the client's).
 
         Raises:
@@ -322,12 +327,13 @@ class Client:
         """
         request = _request(pb.ClassifyRequest, model=model, texts=_texts(texts, "texts"), top_k=top_k,
                            text_pairs=None if text_pairs is None else _texts(text_pairs, "text_pairs"),
-                           function_to_apply=function_to_apply)
+                           function_to_apply=function_to_apply, model_version=model_version)
         return self._call(self._stub.Classify, request, timeout)
 
     def answer(self, model: str, question: str, context: str, *, top_k: int = 0, max_answer_len: int = 0,
                doc_stride: int = 0, allow_impossible: bool = False, null_threshold: float | None = None,
-               align_to_words: bool | None = None, timeout: float | None = None) -> pb.AnswerResponse:
+               align_to_words: bool | None = None,
+               model_version: str | None = None, timeout: float | None = None) -> pb.AnswerResponse:
         """Extractive question answering: ``answers`` best first, ``text == context[start:end]`` (code points).
 
         Args:
@@ -341,6 +347,8 @@ class Client:
             null_threshold: no answer when null score - best span score exceeds it (logits); None leaves it
                 unset (0.0).
             align_to_words: snap spans to whole words; None leaves the field unset (the model's default).
+            model_version: a loaded version of the model (ListModels' rows); None: the version that
+                serves it.
             timeout: deadline in seconds for this call (default: the client's).
 
         Raises:
@@ -350,11 +358,13 @@ class Client:
         """
         request = _request(pb.AnswerRequest, model=model, question=question, context=context, top_k=top_k,
                            max_answer_len=max_answer_len, doc_stride=doc_stride, allow_impossible=allow_impossible,
-                           null_threshold=null_threshold, align_to_words=align_to_words)
+                           null_threshold=null_threshold, align_to_words=align_to_words,
+                           model_version=model_version)
         return self._call(self._stub.Answer, request, timeout)
 
     def zero_shot_classify(self, model: str, texts: str | Sequence[str], candidate_labels: str | Sequence[str], *,
                            hypothesis_template: str | None = None, multi_label: bool = False,
+                           model_version: str | None = None,
                            timeout: float | None = None) -> pb.ZeroShotClassifyResponse:
         """Zero-shot classification on an NLI model: ``results[i].labels`` (every candidate label with its
         score, best first) for ``texts[i]``, as transformers' zero-shot-classification pipeline.
@@ -366,6 +376,8 @@ class Client:
             hypothesis_template: the hypothesis with one ``{}`` for the label; None: "This example is {}.".
             multi_label: score each label on its own (entailment vs contradiction) instead of a softmax over
                 the labels.
+            model_version: a loaded version of the model (ListModels' rows); None: the version that
+                serves it.
             timeout: deadline in seconds for this call (default: the client's).
 
         Raises:
@@ -376,12 +388,13 @@ class Client:
         """
         request = _request(pb.ZeroShotClassifyRequest, model=model, texts=_texts(texts, "texts"),
                            candidate_labels=_texts(candidate_labels, "candidate_labels"),
-                           hypothesis_template=hypothesis_template, multi_label=multi_label)
+                           hypothesis_template=hypothesis_template, multi_label=multi_label,
+                           model_version=model_version)
         return self._call(self._stub.ZeroShotClassify, request, timeout)
 
     def classify_tokens(self, model: str, texts: str | Sequence[str], *, aggregation_strategy: str | None = None,
                         ignore_labels: Sequence[str] | None = None, stride: int | None = None,
-                        timeout: float | None = None) -> pb.ClassifyTokensResponse:
+                        model_version: str | None = None, timeout: float | None = None) -> pb.ClassifyTokensResponse:
         """Token classification (NER, PII): ``results[i].entities`` for ``texts[i]``, in text order, each with
         its label (``entity_group``, or ``entity`` and ``index`` for aggregation "none"), ``score``, ``word``
         == ``text[start:end]`` (code points), as transformers' token-classification pipeline.
@@ -392,6 +405,8 @@ class Client:
             aggregation_strategy: "none" | "simple" | "first" | "average" | "max"; None: "none".
             ignore_labels: labels whose entities are dropped; None: ["O"]; [] drops none.
             stride: tokens shared by consecutive windows; None: the model's default.
+            model_version: a loaded version of the model (ListModels' rows); None: the version that
+                serves it.
             timeout: deadline in seconds for this call (default: the client's).
 
         Raises:
@@ -401,7 +416,7 @@ class Client:
             ClientUsageError: refused before sending (a negative ``stride``, a label that is not a str, ...).
         """
         request = _request(pb.ClassifyTokensRequest, model=model, texts=_texts(texts, "texts"),
-                           aggregation_strategy=aggregation_strategy, stride=stride)
+                           aggregation_strategy=aggregation_strategy, stride=stride, model_version=model_version)
         if ignore_labels is not None:
             labels = _texts(ignore_labels, "ignore_labels")
             request.ignore_labels.SetInParent()  # set, also when empty: "drop none" differs from unset
@@ -413,7 +428,7 @@ class Client:
 
     def rerank(self, model: str, query: str, texts: str | Sequence[str], *, top_n: int = 0, raw_scores: bool = False,
                return_text: bool = False, truncate: bool | None = None,
-               timeout: float | None = None) -> pb.RerankResponse:
+               model_version: str | None = None, timeout: float | None = None) -> pb.RerankResponse:
         """Rank ``texts`` by relevance to ``query`` with a cross-encoder: ``results`` {index, score, text} best
         first (ties: the lower index first).
 
@@ -425,6 +440,8 @@ class Client:
             raw_scores: the logit instead of the probability.
             return_text: each result carries its text.
             truncate: cut over-long pairs (None leaves the field unset: true); False refuses them.
+            model_version: a loaded version of the model (ListModels' rows); None: the version that
+                serves it.
             timeout: deadline in seconds for this call (default: the client's).
 
         Raises:
@@ -433,12 +450,13 @@ class Client:
             ClientUsageError: refused before sending (``top_n=-1``, a text that is not a str, ...).
         """
         request = _request(pb.RerankRequest, model=model, query=query, texts=_texts(texts, "texts"), top_n=top_n,
-                           raw_scores=raw_scores, return_text=return_text, truncate=truncate)
+                           raw_scores=raw_scores, return_text=return_text, truncate=truncate,
+                           model_version=model_version)
         return self._call(self._stub.Rerank, request, timeout)
 
     def translate(self, model: str, texts: str | Sequence[str], *, beam_size: int = 0, n_best: int = 0,
                   max_length: int = 0, return_alignment: bool = False,
-                  timeout: float | None = None) -> pb.TranslateResponse:
+                  model_version: str | None = None, timeout: float | None = None) -> pb.TranslateResponse:
         """Translate texts: ``results[i].hypotheses`` (n-best, best first) for ``texts[i]``.
 
         Args:
@@ -448,6 +466,8 @@ class Client:
             n_best: hypotheses per text, 1..beam_size; 0 means 1.
             max_length: output tokens per hypothesis (EOS included); 0 means the server's length formula.
             return_alignment: attach each hypothesis's attention weights.
+            model_version: a loaded version of the model (ListModels' rows); None: the version that
+                serves it.
             timeout: deadline in seconds for this call (default: the client's).
 
         Raises:
@@ -456,11 +476,12 @@ class Client:
             ClientUsageError: refused before sending (a negative ``beam_size``, a text that is not a str, ...).
         """
         request = _request(pb.TranslateRequest, model=model, texts=_texts(texts, "texts"), beam_size=beam_size,
-                           n_best=n_best, max_length=max_length, return_alignment=return_alignment)
+                           n_best=n_best, max_length=max_length, return_alignment=return_alignment,
+                           model_version=model_version)
         return self._call(self._stub.Translate, request, timeout)
 
     def translate_stream(self, model: str, text: str, *, beam_size: int = 0, n_best: int = 0,
-                         max_length: int = 0, return_alignment: bool = False,
+                         max_length: int = 0, return_alignment: bool = False, model_version: str | None = None,
                          timeout: float | None = None) -> Iterator[pb.TranslateStreamResponse]:
         """Translate one text, yielding the best hypothesis so far after each decoder step; the last message
         has ``final`` set and ``result`` holding what :meth:`translate` returns for the text.
@@ -474,7 +495,7 @@ class Client:
             ClientError: while iterating, as :meth:`translate`.
         """
         request = _request(pb.TranslateStreamRequest, model=model, text=text, beam_size=beam_size, n_best=n_best,
-                           max_length=max_length, return_alignment=return_alignment)
+                           max_length=max_length, return_alignment=return_alignment, model_version=model_version)
         return self._stream(request, self._timeout(timeout))
 
     def _stream(self, request, timeout: float | None) -> Iterator[pb.TranslateStreamResponse]:
@@ -489,6 +510,43 @@ class Client:
             raise ClientError.from_rpc_error(err) from err
         finally:
             call.cancel()  # no-op once the stream has ended; stops the server's work when left early
+
+    # ------------------------------------------------------------------ the model repository (KServe v2, Triton's)
+
+    def repository_index(self, *, ready: bool = False, timeout: float | None = None) -> v2.RepositoryIndexResponse:
+        """The model repository's index (``inference.GRPCInferenceService/RepositoryIndex``): ``models``, each
+        ``{name, version, state, reason}``; ``ready``: READY rows only. The client's token must be an admin token
+        (server key ``admin_token_file``).
+
+        Raises:
+            ClientError: UNAUTHENTICATED (no token), PERMISSION_DENIED (not an admin token), ...
+        """
+        return self._call(self._v2.RepositoryIndex, _request(v2.RepositoryIndexRequest, ready=ready), timeout)
+
+    def load_model(self, name: str, *, config: str | None = None,
+                   timeout: float | None = None) -> v2.RepositoryModelLoadResponse:
+        """Load or reload repository model ``name`` (``RepositoryModelLoad``); returns once it serves. ``config``:
+        JSON text of model keys overriding its ``relserve.yaml``. An admin token, as :meth:`repository_index`.
+
+        Raises:
+            ClientError: INVALID_ARGUMENT (a name that is a path, a bad config), FAILED_PRECONDITION (the server's
+                control mode is not explicit), NOT_FOUND, UNAVAILABLE (the load failed), as the token's.
+        """
+        request = _request(v2.RepositoryModelLoadRequest, model_name=name)
+        if config is not None:
+            if not isinstance(config, str):
+                raise ClientUsageError(f"config must be a str of JSON, got {type(config).__name__}")
+            request.parameters["config"].string_param = config
+        return self._call(self._v2.RepositoryModelLoad, request, timeout)
+
+    def unload_model(self, name: str, *, timeout: float | None = None) -> v2.RepositoryModelUnloadResponse:
+        """Drain and unload every version of repository model ``name`` (``RepositoryModelUnload``).
+
+        Raises:
+            ClientError: as :meth:`load_model` (no UNAVAILABLE).
+        """
+        request = _request(v2.RepositoryModelUnloadRequest, model_name=name)
+        return self._call(self._v2.RepositoryModelUnload, request, timeout)
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """The grpc.health.v1 status of ``service`` ("" = the whole server): "SERVING", "NOT_SERVING", ...

@@ -15,6 +15,9 @@ reply printed as JSON, so trying a server needs neither code nor grpcurl.
                             [--ignore-label LABEL ... | --no-ignore] [--stride N]
     relserve call rerank    [COMMON] --model NAME --query Q --text TEXT [--text ...] [--top-n N] [--raw-scores]
                             [--return-text] [--[no-]truncate]
+    relserve call repository [COMMON] index [--ready] | load --model NAME [--config JSON] | unload --model NAME
+                            (the model repository API of KServe v2 / Triton: --token must be an admin token)
+    Each model sub-command also takes [--model-version V] (a loaded version; default: the one serving it).
     COMMON: [--address HOST:PORT] [--timeout S] [--tls] [--tls-ca PEM] [--tls-cert PEM --tls-key PEM]
             [--tls-server-name NAME] [--token TOKEN | --token-file PATH]
 
@@ -95,7 +98,7 @@ def build_parser(prog: str = "relserve call") -> argparse.ArgumentParser:
                                      "(the gRPC status as JSON on stderr), 2 usage.")
     parser.add_argument("--version", action="version", version=f"relserve {package_version()}")
     sub = parser.add_subparsers(dest="rpc", required=True, metavar="{classify,answer,translate,zero-shot,"
-                                "classify-tokens,rerank,models,health}")
+                                "classify-tokens,rerank,models,health,repository}")
 
     def command(name: str, run: Callable[[Client, argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
@@ -177,6 +180,15 @@ def build_parser(prog: str = "relserve call") -> argparse.ArgumentParser:
     rerank.add_argument("--return-text", action="store_true", help="each result carries its text")
     rerank.add_argument("--truncate", action=argparse.BooleanOptionalAction, default=None,
                         help="cut over-long pairs (default) or refuse them (--no-truncate)")
+    repository = command("repository", _repository, "the model repository: index, load or unload a model "
+                         "(KServe v2 RepositoryIndex / RepositoryModelLoad / RepositoryModelUnload; an admin token)")
+    repository.add_argument("action", choices=("index", "load", "unload"))
+    repository.add_argument("--model", help="load / unload: the repository model's name")
+    repository.add_argument("--ready", action="store_true", help="index: READY rows only")
+    repository.add_argument("--config", metavar="JSON", help="load: model keys overriding its relserve.yaml")
+    for p in (classify, answer, translate, zero_shot, tokens, rerank):
+        p.add_argument("--model-version", metavar="V",
+                       help="a loaded version of the model ('models' lists them; default: the one serving it)")
     return parser
 
 
@@ -199,7 +211,7 @@ def _health(client: Client, args: argparse.Namespace) -> int:
 
 def _classify(client: Client, args: argparse.Namespace) -> int:
     print(_dump(client.classify(args.model, args.text, args.text_pair, top_k=args.top_k,
-                                function_to_apply=args.function_to_apply)))
+                                function_to_apply=args.function_to_apply, model_version=args.model_version)))
     return EXIT_OK
 
 
@@ -207,13 +219,13 @@ def _answer(client: Client, args: argparse.Namespace) -> int:
     print(_dump(client.answer(args.model, args.question, args.context, top_k=args.top_k,
                               max_answer_len=args.max_answer_len, doc_stride=args.doc_stride,
                               allow_impossible=args.allow_impossible, null_threshold=args.null_threshold,
-                              align_to_words=args.align_to_words)))
+                              align_to_words=args.align_to_words, model_version=args.model_version)))
     return EXIT_OK
 
 
 def _translate(client: Client, args: argparse.Namespace) -> int:
     options = dict(beam_size=args.beam_size, n_best=args.n_best, max_length=args.max_length,
-                   return_alignment=args.return_alignment)
+                   return_alignment=args.return_alignment, model_version=args.model_version)
     if not args.stream:
         print(_dump(client.translate(args.model, args.text, **options)))
         return EXIT_OK
@@ -225,20 +237,35 @@ def _translate(client: Client, args: argparse.Namespace) -> int:
 def _zero_shot(client: Client, args: argparse.Namespace) -> int:
     print(_dump(client.zero_shot_classify(args.model, args.text, args.candidate_labels,
                                           hypothesis_template=args.hypothesis_template,
-                                          multi_label=args.multi_label)))
+                                          multi_label=args.multi_label, model_version=args.model_version)))
     return EXIT_OK
 
 
 def _classify_tokens(client: Client, args: argparse.Namespace) -> int:
     ignore = [] if args.no_ignore else args.ignore_labels
     print(_dump(client.classify_tokens(args.model, args.text, aggregation_strategy=args.aggregation_strategy,
-                                       ignore_labels=ignore, stride=args.stride)))
+                                       ignore_labels=ignore, stride=args.stride,
+                                       model_version=args.model_version)))
     return EXIT_OK
 
 
 def _rerank(client: Client, args: argparse.Namespace) -> int:
     print(_dump(client.rerank(args.model, args.query, args.text, top_n=args.top_n, raw_scores=args.raw_scores,
-                              return_text=args.return_text, truncate=args.truncate)))
+                              return_text=args.return_text, truncate=args.truncate,
+                              model_version=args.model_version)))
+    return EXIT_OK
+
+
+def _repository(client: Client, args: argparse.Namespace) -> int:
+    if args.action == "index":
+        print(_dump(client.repository_index(ready=args.ready)))
+        return EXIT_OK
+    if not args.model:
+        args.parser.error(f"repository {args.action} needs --model NAME")
+    if args.action == "load":
+        print(_dump(client.load_model(args.model, config=args.config)))
+    else:
+        print(_dump(client.unload_model(args.model)))
     return EXIT_OK
 
 

@@ -124,6 +124,8 @@ def _flags() -> dict[str, str]:
             continue
         name = flag.names[0]
         shown = f"--[no-]{name[2:]}" if flag.action == "boolean" else name
+        if flag.action == "append":
+            shown += " (repeatable)"
         for key in (spec.name, *flag.also_sets):
             out[key] = f"`{shown}`"
     return out
@@ -131,6 +133,8 @@ def _flags() -> dict[str, str]:
 
 def _type(spec: KeySpec) -> str:
     name = "path" if spec.is_path else {bool: "bool", int: "int", float: "float", str: "string"}[spec.type]
+    if spec.is_list:
+        return f"list of {name}s"
     return f"{name} or null" if spec.nullable else name
 
 
@@ -139,6 +143,8 @@ def _default(spec: KeySpec) -> str:
         return "required"
     if spec.default is None:
         return "`null`"
+    if spec.is_list:
+        return f"`{list(spec.default)}`"
     if isinstance(spec.default, bool):
         return f"`{str(spec.default).lower()}`"
     return f"`{spec.default}`"

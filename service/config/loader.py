@@ -10,6 +10,7 @@ served. docs/configuration.md describes every key.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -29,8 +30,15 @@ _SERVER_PATH_KEYS = tuple(name for name, spec in SERVER_KEYS.items() if spec.is_
 
 
 def _coerce(where: str, spec: KeySpec, value: Any) -> Any:
-    """``value`` as the key's type (YAML and ``key=value`` strings alike), or ConfigError naming the key."""
+    """``value`` as the key's type (YAML and ``key=value`` strings alike), or ConfigError naming the key; a list
+    key takes a list (or one value) and gives a tuple."""
     key, typ = spec.name, spec.type
+    if spec.is_list:
+        if value is None:
+            return ()
+        items = value if isinstance(value, (list, tuple)) else [value]
+        one = dataclasses.replace(spec, is_list=False, nullable=False)
+        return tuple(_coerce(where, one, item) for item in items)
     if value is None and spec.nullable:
         return None
     if typ is bool:
@@ -85,6 +93,16 @@ def _model_from_mapping(raw: Mapping[str, Any], base_dir: Path, where: str) -> M
         graphs = Path(values["onnx_path"]).expanduser()
         values["onnx_path"] = graphs if graphs.is_absolute() else base_dir / graphs
     return validate_model(ModelConfig(**values))
+
+
+def model_from_mapping(raw: Mapping[str, Any], base_dir: Path, where: str) -> ModelConfig:
+    """One model entry (``name``, ``path`` and any model keys, as a ``models:`` entry of the config file) ->
+    a validated :class:`ModelConfig`; relative paths are relative to ``base_dir``, messages start with ``where``.
+
+    Raises:
+        ConfigError: an unknown key, a missing name or path, a value of the wrong type or out of range.
+    """
+    return _model_from_mapping(raw, base_dir, where)
 
 
 def parse_model_spec(spec: str, base_dir: Path | None = None) -> dict[str, Any]:
@@ -164,17 +182,19 @@ def load_config(
     if unknown:
         raise ConfigError(f"config: unknown key(s) {sorted(unknown)}; allowed: {sorted(_SERVER_FIELDS)}")
     for key in _SERVER_PATH_KEYS:  # a config file's paths are relative to the file
-        if isinstance(raw.get(key), str):
-            raw[key] = _server_path(key, raw[key], base_dir)
+        raw[key] = _server_paths(key, raw[key], base_dir) if key in raw else None
+        if raw[key] is None:
+            del raw[key]
     for key, value in (overrides or {}).items():
         if value is not None:
             if key not in SERVER_KEYS:
                 raise ConfigError(f"unknown server option {key!r}")
-            raw[key] = _server_path(key, value, Path.cwd()) if key in _SERVER_PATH_KEYS else value
+            raw[key] = _server_paths(key, value, Path.cwd()) if key in _SERVER_PATH_KEYS else value
     server_values = {k: _coerce("config", SERVER_KEYS[k], v) for k, v in raw.items()}
     for key in _SERVER_PATH_KEYS:
         if server_values.get(key) is not None:
-            server_values[key] = Path(server_values[key])
+            value = server_values[key]
+            server_values[key] = tuple(Path(v) for v in value) if SERVER_KEYS[key].is_list else Path(value)
 
     models: dict[str, ModelConfig] = {}
     for i, entry in enumerate(models_raw):
@@ -197,7 +217,7 @@ def load_config(
             raise ConfigError(f"{where}: model name {m.name!r} is also given by --model")
         from_cli.add(m.name)
         models[m.name] = m
-    if not models:
+    if not models and not server_values.get("model_repositories"):  # a repository server may start with none
         for name, sub in DEFAULT_MODELS:
             path = defaults_dir / sub
             if not path.is_dir():
@@ -213,6 +233,13 @@ def load_config(
 
     cfg = ServerConfig(**server_values, models=tuple(models.values()))
     return validate_server(cfg)
+
+
+def _server_paths(key: str, value: Any, base_dir: Path) -> Any:
+    """:func:`_server_path` of a file key's value, or of each item of a list key's."""
+    if SERVER_KEYS[key].is_list and isinstance(value, (list, tuple)):
+        return [_server_path(key, v, base_dir) for v in value]
+    return _server_path(key, value, base_dir)
 
 
 def _server_path(key: str, value: Any, base_dir: Path) -> Any:
@@ -255,6 +282,8 @@ def add_config_flags(serve: argparse.ArgumentParser) -> None:
             target.add_argument(*flag.names, action="store_const", const=False, default=None, **common)
         elif flag.action == "boolean":
             target.add_argument(*flag.names, action=argparse.BooleanOptionalAction, default=None, **common)
+        elif flag.action == "append":  # a list key: the flag repeated; absent leaves the file's list alone
+            target.add_argument(*flag.names, metavar=flag.metavar, action="append", default=None, **common)
         else:
             typed = {"type": spec.type} if spec.type in (int, float) else {}
             target.add_argument(*flag.names, metavar=flag.metavar, choices=spec.choices, **typed, **common)

@@ -39,6 +39,7 @@ MAX_THREADS = 1024          # *_intra_op_threads (torch and ORT take a C int; be
 MAX_LEN_A = 100.0           # max_len_a: output tokens per source token, far past any language pair
 MAX_LEN_B = 1_000_000       # max_len_b: tokens (max_output_tokens caps max_length anyway)
 MAX_MESSAGE_BYTES = 2**31 - 1  # grpc's max_*_message_length channel arguments are C ints
+MODEL_CONTROL_MODES = ("none", "poll", "explicit")  # server key model_control_mode (service/repository/)
 COMPUTE_SCHEDULING = ("partition", "fair", "shared")  # server key compute_scheduling (service/scheduling/cores.py)
 MAX_BATCH_TIME_MS = 60_000.0
 MAX_BEAM_SIZE = 16
@@ -151,18 +152,22 @@ class KeySpec:
     choices: tuple[str, ...] | None
     choices_note: str
     flag: Flag | None
+    is_list: bool = False  # a list of values of ``type`` (declared ``tuple[T, ...]``; YAML list, repeatable flag)
 
 
 def _spec(f: dataclasses.Field) -> KeySpec:
     declared: Key = f.metadata["key"]
     args = typing.get_args(f.type) if isinstance(f.type, types.UnionType) else (f.type,)
     base = next(a for a in args if a is not type(None))
+    is_list = typing.get_origin(base) is tuple
+    if is_list:
+        base = typing.get_args(base)[0]
     nullable = type(None) in args if declared.nullable is None else declared.nullable
     return KeySpec(
         name=f.name, type=str if base is Path else base, is_path=base is Path, nullable=nullable,
         required=f.default is dataclasses.MISSING, default=None if f.default is dataclasses.MISSING else f.default,
         doc=declared.doc, bounds=declared.bounds, choices=declared.choices, choices_note=declared.choices_note,
-        flag=declared.flag,
+        flag=declared.flag, is_list=is_list,
     )
 
 
@@ -575,6 +580,41 @@ class ServerConfig:
         None, "open HTTP connections at most; more are closed at once; null: half the open-files limit (which the "
         "server raises to the hard limit at start), at most 10000",
         bounds=Bounds(1, note=" (or null: derived from the open-files limit)"))
+    # The model repository (service/repository/): directories of models, loaded, swapped and unloaded while serving
+    model_repositories: tuple[Path, ...] = key(
+        (), "model repository directories: each sub-directory is a model (a checkpoint, or numbered version "
+        "sub-directories; docs/operations.md \"Model repository\"); with any, the built-in default models are not "
+        "added",
+        flag=Flag(("--model-repository",), "a model repository directory (repeatable): each sub-directory is a "
+                                           "model, a checkpoint or numbered versions DIR/NAME/1/, DIR/NAME/2/",
+                  metavar="DIR", action="append"))
+    model_control_mode: str = key(
+        "none",
+        "none: the repositories' models load at start, nothing changes later; poll: the repositories are re-read "
+        "every repository_poll_secs (new models load, removed ones unload, new versions and changed files swap "
+        "in); explicit: only load_models at start, then the repository API's load / unload",
+        choices=MODEL_CONTROL_MODES,
+        flag=Flag(("--model-control-mode",), "none (default), poll or explicit, as Triton's"))
+    repository_poll_secs: float = key(
+        15.0, "model_control_mode poll: seconds between two scans of the repositories",
+        bounds=Bounds(0, MAX_DRAIN_SECONDS, lo_open=True, unit=" seconds"),
+        flag=Flag(("--repository-poll-secs",), "seconds between repository scans in poll mode (default {default})",
+                  metavar="S"))
+    load_models: tuple[str, ...] = key(
+        (), "model_control_mode explicit: the repository models loaded at start ('*': all of them)",
+        flag=Flag(("--load-model",), "explicit mode: load this repository model at start (repeatable; '*': all)",
+                  metavar="NAME", action="append"))
+    memory_limit_mb: int = key(
+        0, "MiB the loaded models' weights may take together, estimated from each checkpoint's weight files and "
+        "dtype before loading (two versions count during a swap); a load over it fails and the serving version "
+        "stays; 0: no limit",
+        bounds=Bounds(0, lo_note=" (no limit)"),
+        flag=Flag(("--memory-limit-mb",), "MiB of model weights that may be loaded at once (estimated before "
+                                          "loading; 0: no limit)", metavar="MIB"))
+    admin_token_file: Path | None = _security(
+        None, "bearer tokens of the repository API (load / unload / index), one per line, as auth_token_file; "
+        "null: that API is open without auth_token_file and refused with it", "--admin-token-file",
+        "bearer tokens for the model repository API (same format as --auth-token-file)", "FILE")
     models: tuple[ModelConfig, ...] = field(default_factory=tuple)
 
     def model(self, name: str) -> ModelConfig:

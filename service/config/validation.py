@@ -278,7 +278,34 @@ def validate_server(cfg: ServerConfig) -> ServerConfig:
     names = [m.name for m in cfg.models]
     if len(set(names)) != len(names):
         raise ConfigError(f"model names must be unique, got {names}")
+    validate_repository(cfg)
     return cfg
+
+
+def validate_repository(cfg: ServerConfig) -> None:
+    """The model repository keys: each repository an existing directory (checked before any port is bound), the
+    mode's companions consistent, the admin token file readable.
+
+    Raises:
+        ConfigError: naming the key and the value.
+    """
+    _check(SERVER_KEYS, cfg, "", "model_control_mode", "repository_poll_secs", "memory_limit_mb")
+    for repo in cfg.model_repositories:
+        if not repo.is_dir():
+            raise ConfigError(f"model_repositories: {str(repo)!r} is not a directory")
+    if len(set(cfg.model_repositories)) != len(cfg.model_repositories):
+        raise ConfigError(f"model_repositories lists a directory twice: {[str(r) for r in cfg.model_repositories]}")
+    if cfg.model_control_mode != "none" and not cfg.model_repositories:
+        raise ConfigError(f"model_control_mode {cfg.model_control_mode} needs a model repository "
+                          f"(--model-repository DIR)")
+    if cfg.load_models and cfg.model_control_mode != "explicit":
+        raise ConfigError(f"load_models (--load-model) is for model_control_mode explicit; in mode "
+                          f"{cfg.model_control_mode} every repository model loads")
+    for name in cfg.load_models:
+        if name != "*" and not NAME_RE.match(name):
+            raise ConfigError(f"load_models: {name!r} is not a model name (it must match {NAME_RE.pattern}, or be *)")
+    if cfg.admin_token_file is not None:
+        read_tokens(cfg.admin_token_file, "admin_token_file")
 
 
 def validate_connections(cfg: ServerConfig) -> None:

@@ -7,7 +7,8 @@ other status. Each request is validated once, before any tokenizing, by its task
 queue's retry hint as the ``grpc-retry-pushback-ms`` trailer (gRFC A6). Request metrics (count by code,
 duration, in-flight; the time to a RESOURCE_EXHAUSTED refusal) are recorded there too. Stream messages go
 out through :func:`.grpc_transport.write_message` (a reader that stops consuming ends its stream after
-``stream_write_timeout``). No torch here.
+``stream_write_timeout``). A request's ``model_version`` picks a loaded version of its model (empty: the
+version serving it; ``ModelRegistry.get``). No torch here.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.max_send_message_length = max_send_message_length
         self.stream_write_timeout = stream_write_timeout  # seconds a stream message may wait for its reader
 
-    def _enter(self, scope: Scope, name: str, task: str):
+    def _enter(self, scope: Scope, name: str, task: str, version: str = ""):
         served = self.registry.runners.get(name)
         if served is not None:
             scope.model = name
@@ -69,7 +70,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             # the pipeline tasks' validation refuses a model of another task (INVALID_ARGUMENT naming it); the
             # scope keeps the operation's task label (zero-shot and rerank run on classification models)
             model_task = served.task or task
-        runner = self.registry.get(name, model_task)
+        runner = self.registry.get(name, model_task, version)
         scope.count_inflight()
         return runner
 
@@ -82,26 +83,26 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     @rpc(TASK_CLASSIFICATION)
     async def Classify(self, request, context, scope):
         """Scores per text (:func:`.v1_codec.classify`)."""
-        runner = self._enter(scope, request.model, TASK_CLASSIFICATION)
+        runner = self._enter(scope, request.model, TASK_CLASSIFICATION, request.model_version)
         return await v1_codec.classify(runner, request, deadline(context))
 
     @rpc(TASK_QA)
     async def Answer(self, request, context, scope):
         """Answers to one question (:func:`.v1_codec.answer`)."""
-        runner = self._enter(scope, request.model, TASK_QA)
+        runner = self._enter(scope, request.model, TASK_QA, request.model_version)
         return await v1_codec.answer(runner, request, deadline(context))
 
     @rpc(TASK_TRANSLATION)
     async def Translate(self, request, context, scope):
         """Hypotheses per text (:func:`.v1_codec.translate`)."""
-        runner = self._enter(scope, request.model, TASK_TRANSLATION)
+        runner = self._enter(scope, request.model, TASK_TRANSLATION, request.model_version)
         return await v1_codec.translate(runner, request, deadline(context))
 
     @rpc(TASK_TRANSLATION)
     async def TranslateStream(self, request, context, scope):
         """The best live hypothesis after each decoder step, then the final result; a client that reads none of
         them for ``stream_write_timeout`` seconds gets the stream ended (its sequence leaves the decode loop)."""
-        runner = self._enter(scope, request.model, TASK_TRANSLATION)
+        runner = self._enter(scope, request.model, TASK_TRANSLATION, request.model_version)
         options = v1_codec.decode_options(runner, request, [request.text])
         # closed here, not when collected: a stalled or failed write frees the sequence at once
         async with contextlib.aclosing(translate_task.translate_stream(runner, request.text, options,
@@ -113,17 +114,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     @rpc(TASK_ZERO_SHOT)
     async def ZeroShotClassify(self, request, context, scope):
         """Candidate labels ranked per text (:func:`.v1_codec.zero_shot_classify`)."""
-        runner = self._enter(scope, request.model, TASK_ZERO_SHOT)
+        runner = self._enter(scope, request.model, TASK_ZERO_SHOT, request.model_version)
         return await v1_codec.zero_shot_classify(runner, request, deadline(context))
 
     @rpc(TASK_TOKEN_CLASSIFICATION)
     async def ClassifyTokens(self, request, context, scope):
         """Entities per text (:func:`.v1_codec.classify_tokens`)."""
-        runner = self._enter(scope, request.model, TASK_TOKEN_CLASSIFICATION)
+        runner = self._enter(scope, request.model, TASK_TOKEN_CLASSIFICATION, request.model_version)
         return await v1_codec.classify_tokens(runner, request, deadline(context))
 
     @rpc(TASK_RERANK)
     async def Rerank(self, request, context, scope):
         """Texts ranked by relevance to the query (:func:`.v1_codec.rerank`)."""
-        runner = self._enter(scope, request.model, TASK_RERANK)
+        runner = self._enter(scope, request.model, TASK_RERANK, request.model_version)
         return await v1_codec.rerank(runner, request, deadline(context))

@@ -16,6 +16,8 @@ handler with a traceback, up to the listen backlog (100) times per wake-up. Henc
   refused connections and for :func:`accept_error_handler`, the loop's exception handler that routes EMFILE /
   ENFILE / ENOBUFS / ENOMEM accept errors to it (everything else goes to the handler it replaced).
 * :func:`raise_open_files_limit` and :func:`default_max_connections`: the process's descriptor limit.
+* :class:`ServerLog`: aiohttp's connection-handler logger, with a request its parser refuses logged as one
+  warning line instead of an ERROR with a traceback.
 
 No torch; nothing here knows routes or models.
 """
@@ -29,6 +31,8 @@ import resource
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from aiohttp.http_exceptions import HttpProcessingError
 
 log = logging.getLogger(__name__)
 
@@ -340,3 +344,23 @@ class _Connection(asyncio.Protocol):
         self.guard.header_timeouts += 1
         log.debug("closed an HTTP connection whose request head took over %.1f s", self.guard.header_timeout)
         self.transport.abort()
+
+
+class ServerLog(logging.LoggerAdapter):
+    """The logger of aiohttp's connection handler (``aiohttp.web_protocol.RequestHandler``, its ``logger``
+    option): ``aiohttp.server``, except that a request aiohttp's parser refuses before any route runs (no
+    colon in a header line, a negative Content-Length, a bad chunk size, not HTTP at all) is the client's
+    mistake: one warning line without a traceback, where aiohttp logs an ERROR with one."""
+
+    def __init__(self, refusals: logging.Logger) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+        self.refusals = refusals  # where the refused requests' warning lines go (the transport's logger)
+
+    def exception(self, msg: object, *args: Any, exc_info: Any = True, **kw: Any) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            remote = args[0] if args else "?"
+            reason = " ".join(str(exc_info.message or exc_info).split())  # one line
+            self.refusals.warning("refused a malformed HTTP request from %s: %s %s", remote, exc_info.code,
+                                  reason[:300])
+        else:
+            super().exception(msg, *args, exc_info=exc_info, **kw)

@@ -11,6 +11,8 @@ from the surfaces (:class:`HttpTransport` ``surfaces``): ``http_v2`` (KServe v2 
   transport: :meth:`HttpTransport.read`, :meth:`~HttpTransport.body`, :meth:`~HttpTransport.deadline`,
   :meth:`~HttpTransport.within`, ``registry``, ``max_reply``);
 - optionally ``open_path(path) -> bool``: the paths that need no token unless ``auth_health`` (probes);
+- optionally ``admin_path(path) -> bool``: paths whose routes check the admin token themselves (the
+  inference token check here passes them);
 - ``PROTOCOL``: its ``protocol`` label in ``relserve_requests_total`` (:class:`Counted`);
 - optionally ``refused_task(path) -> str | None``: the metrics ``task`` label of a request to ``path``
   refused for its token, counted under the surface's ``PROTOCOL`` (None: not this surface's path; a path no
@@ -36,7 +38,7 @@ a field of the wrong JSON type 400 (naming it), an unknown path 404, a wrong met
 ``Content-Encoding`` gzip or deflate (decoded here, not by aiohttp: a body that is not what its label says
 is a JSON 400, another encoding a JSON 415). A request aiohttp's parser refuses before any route runs (not
 HTTP, a header line without a colon, a bad Content-Length or chunk size) gets aiohttp's plain-text 400 and
-one warning line in the log, no traceback (:class:`_ServerLog`). Deadlines: the optional
+one warning line in the log, no traceback (:class:`.http_guard.ServerLog`). Deadlines: the optional
 ``X-Request-Timeout`` header (seconds, > 0) is the request's deadline, as a gRPC client's timeout (504
 DEADLINE_EXCEEDED). A client that disconnects does not cancel its request (aiohttp's default): the work
 finishes and the reply is dropped; one that disconnects while sending the body is CANCELLED (499, unsent).
@@ -59,7 +61,6 @@ import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 import grpc
@@ -72,7 +73,8 @@ from ..drain import InflightCalls
 from ..errors import Cancelled, InvalidArgument, RelserveError, shown, to_status
 from ..registry import ModelRegistry
 from ..config import ServerConfig
-from .http_guard import ConnectionGuard, ListenerLimits, ThrottledLog, accept_error_handler, default_max_connections
+from .http_guard import (ConnectionGuard, ListenerLimits, ServerLog, ThrottledLog, accept_error_handler,
+                         default_max_connections)
 from .grpc_transport import WIRE_COUNT_MIN, TooManyEntries
 from .json_codec import CountRefused, check_counts, count_top_arrays, loads
 
@@ -109,24 +111,6 @@ HTTP_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 405: "UNIMPLEMENTED", 4
 _DECODERS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
-class _ServerLog(logging.LoggerAdapter):
-    """The logger of aiohttp's connection handler (``aiohttp.web_protocol.RequestHandler``, its ``logger``
-    option): ``aiohttp.server``, except that a request aiohttp's parser refuses before any route runs (no
-    colon in a header line, a negative Content-Length, a bad chunk size, not HTTP at all) is the client's
-    mistake: one warning line without a traceback, where aiohttp logs an ERROR with one."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.getLogger("aiohttp.server"), {})
-
-    def exception(self, msg: object, *args: Any, exc_info: Any = True, **kw: Any) -> None:
-        if isinstance(exc_info, HttpProcessingError):
-            remote = args[0] if args else "?"
-            reason = " ".join(str(exc_info.message or exc_info).split())  # one line
-            log.warning("refused a malformed HTTP request from %s: %s %s", remote, exc_info.code, reason[:300])
-        else:
-            super().exception(msg, *args, exc_info=exc_info, **kw)
-
-
 def error_response(code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> web.Response:
     """The JSON error reply ``{"error": message, "code": code name}`` with the status of :data:`HTTP_STATUS`;
     ``Retry-After`` (whole seconds, rounded up) when ``retry_after_s`` is given, ``WWW-Authenticate: Bearer``
@@ -137,6 +121,18 @@ def error_response(code: grpc.StatusCode, message: str, retry_after_s: float | N
     if code == grpc.StatusCode.UNAUTHENTICATED:
         headers["WWW-Authenticate"] = "Bearer"
     return json_response({"error": message, "code": code.name}, HTTP_STATUS.get(code, 500), headers)
+
+
+def authorization(request: web.Request) -> list[tuple[str, str]]:
+    """The request's ``Authorization`` headers as the gRPC token checks take metadata."""
+    return [("authorization", v) for v in request.headers.getall("Authorization", [])]
+
+
+def http_words(reason: str) -> str:
+    """A token check's refusal reworded for HTTP: the gRPC checks speak of metadata, a client sends a header."""
+    return (reason.replace("'authorization' metadata entry", "'Authorization' header")
+            .replace("'authorization' metadata", "'Authorization' header")
+            .replace("'authorization: Bearer <token>'", "'Authorization: Bearer <token>'"))
 
 
 def json_response(body: Any, status: int = 200, headers: dict | None = None) -> web.Response:
@@ -217,17 +213,19 @@ class HttpTransport:
         max_reply: the largest reply message in bytes (``max_send_message_length``, as on gRPC).
         tokens: the token check of the gRPC port, or None for no auth.
         auth_health: the open paths and /metrics need a token too.
-        surfaces: the surface modules whose routes are served (see the module docstring), in route order.
+        surfaces: the surfaces whose routes are served (modules, or objects with the same attributes: see the
+            module docstring), in route order.
         limits: the listener's timeouts and connection cap (None: the server keys' defaults).
+        repository: the server's model repository manager, for the surfaces (None: no repository).
     """
 
     OFF_LOOP_BYTES = 16 * 1024  # bodies this large or larger are decoded in the decode thread (decode())
 
     def __init__(self, registry: ModelRegistry, inflight: InflightCalls, *, max_body: int,
                  max_reply: int = 4 * 1024 * 1024, tokens: TokenAuthInterceptor | None = None,
-                 auth_health: bool = False, surfaces: Sequence[ModuleType] = (),
-                 limits: ListenerLimits | None = None) -> None:
-        self.registry = registry
+                 auth_health: bool = False, surfaces: Sequence[Any] = (),
+                 limits: ListenerLimits | None = None, repository: Any = None) -> None:
+        self.registry, self.repository = registry, repository
         self.inflight = inflight
         self.max_reply = max_reply
         self.tokens = tokens
@@ -244,6 +242,7 @@ class HttpTransport:
         self._server: asyncio.AbstractServer | None = None
         self._previous_handler: Any = None
         self._open_paths = [s.open_path for s in surfaces if hasattr(s, "open_path")]
+        self._admin_paths = [s.admin_path for s in surfaces if hasattr(s, "admin_path")]
         # (refused_task, the surface's protocol label): the first surface that knows the path counts its refusal
         self._refused_tasks = [(s.refused_task, s.PROTOCOL) for s in surfaces if hasattr(s, "refused_task")]
         for surface in surfaces:
@@ -270,7 +269,7 @@ class HttpTransport:
         # is a JSON 400 / 415 from the route rather than a plain-text 400 from aiohttp's parser
         limits = self.limits
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, shutdown_timeout=0.1,
-                                     auto_decompress=False, logger=_ServerLog(),
+                                     auto_decompress=False, logger=ServerLog(log),
                                      keepalive_timeout=limits.keepalive_timeout)
         await self._runner.setup()
         loop = asyncio.get_running_loop()
@@ -392,15 +391,12 @@ class HttpTransport:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
-        if self.tokens is None or self._is_open(request):
+        if self.tokens is None or self._is_open(request) or any(f(request.path) for f in self._admin_paths):
             return await handler(request)
-        reason = self.tokens.check([("authorization", v) for v in request.headers.getall("Authorization", [])])
+        reason = self.tokens.check(authorization(request))
         if reason is None:
             return await handler(request)
-        # the gRPC interceptor's words are about metadata; an HTTP client sends a header
-        reason = (reason.replace("'authorization' metadata entry", "'Authorization' header")
-                  .replace("'authorization' metadata", "'Authorization' header")
-                  .replace("'authorization: Bearer <token>'", "'Authorization: Bearer <token>'"))
+        reason = http_words(reason)
         task, protocol = next(((t, p) for t, p in ((f(request.path), p) for f, p in self._refused_tasks)
                                if t is not None), (metrics.UNKNOWN_MODEL, "http"))
         metrics.count_refused(task, grpc.StatusCode.UNAUTHENTICATED.name, protocol=protocol)

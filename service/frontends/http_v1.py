@@ -10,7 +10,8 @@
 
 JSON mapping: :func:`google.protobuf.json_format.ParseDict` (so both ``topK`` and ``top_k`` are accepted; an
 unknown field is 400) and ``MessageToDict`` with protobuf's canonical lowerCamelCase names (``numTokens``,
-``isImpossible``), every field printed, also when it holds its default. The routes decode and encode through
+``isImpossible``), every field printed, also when it holds its default. ``modelVersion`` / ``model_version``
+addresses a loaded version, as on gRPC. The routes decode and encode through
 :mod:`.v1_codec` (the gRPC frontend's codec), so validation, limits, error messages and the
 ``relserve_requests_total`` / duration / in-flight metrics are the gRPC path's. A full queue's 429 has
 ``Retry-After`` after the gRPC pushback trailer's rounding to whole milliseconds. A client gone while sending
@@ -148,7 +149,7 @@ class _V1:
                         raise message
                     served = self.registry.runners.get(message.model)
                     own = task in _OWN_TASK_CHECK and served is not None and served.task
-                    runner = self.registry.get(message.model, served.task if own else task)
+                    runner = self.registry.get(message.model, served.task if own else task, message.model_version)
                     count.running()
                     reply = await call(runner, message, deadline)
                 check_message_size(reply, self.core.max_reply, "reply")

@@ -2,7 +2,9 @@
 
 =========================================== =================================================================
 ``GET /v2``                                 server metadata ``{"name", "version", "extensions"}``
-                                            (``extensions``: ``["binary_tensor_data"]``)
+                                            (``extensions``: ``["binary_tensor_data"]``, and
+                                            ``"model_repository"`` while a model repository is served:
+                                            frontends/http_repository.py)
 ``GET /v2/health/live``                     200 ``{"live": true}``
 ``GET /v2/health/ready``                    200 ``{"ready": true}`` when every model is warm and the server is
                                             not draining, else 400 ``{"ready": false}`` (the v2 spec: 4xx is
@@ -48,6 +50,7 @@ from aiohttp import web
 
 from ..errors import to_status
 from . import oip_codec as oip
+from . import repository_codec as repo
 from .http_transport import (HTTP_CODES, Counted, Deadline, HttpTransport, deadline_response, error_response,
                              json_response)
 from .json_codec import INFERENCE_HEADER, InferRequest, encode_reply, loads, parse_infer, split_body
@@ -87,7 +90,7 @@ class _V2:
         self.registry = core.registry
 
     async def server_metadata(self, request: web.Request) -> web.Response:
-        meta = oip.server_metadata()
+        meta = oip.server_metadata((repo.EXTENSION,) if repo.serves(self.core.repository) else ())
         return json_response({"name": meta.name, "version": meta.version, "extensions": list(meta.extensions)})
 
     async def live(self, request: web.Request) -> web.Response:
@@ -124,7 +127,8 @@ class _V2:
             def decode(raw: bytes) -> tuple[dict, InferRequest]:
                 text, binary = split_body(raw, header)
                 body = loads(text)
-                return body, parse_infer(body, binary, model=name, version=version, limit=oip.max_elements(served))
+                return body, parse_infer(body, binary, model=name, version=version, limit=oip.max_elements(served),
+                                         serving=served.version if served is not None else oip.MODEL_VERSION)
 
             # a large body's JSON and binary elements are decoded in the transport's decode thread, off the loop
             body, parsed = await self.core.decode(await self.core.read(request), decode)
@@ -133,7 +137,7 @@ class _V2:
             count.running()
             result = await self.core.within(deadline, oip.infer_on(runner, parsed.inputs, parsed.parameters,
                                                                    parsed.outputs, deadline))
-            reply: dict = {"model_name": name, "model_version": oip.MODEL_VERSION, "outputs": None}
+            reply: dict = {"model_name": name, "model_version": runner.version, "outputs": None}
             if "id" in body:
                 reply["id"] = body["id"]
             payload, json_length = encode_reply(reply, result, parsed)

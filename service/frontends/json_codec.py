@@ -269,15 +269,14 @@ def split_body(raw: bytes, header: str | None) -> tuple[bytes, memoryview | None
     return bytes(view[:length]), view[length:]
 
 
-def _model_fields(body: dict, model: str, version: str) -> None:
+def _model_fields(body: dict, model: str, version: str, serving: str) -> None:
     """``model_name`` / ``model_version`` in the body must agree with the URL's ``model`` / ``version``
-    (a URL without a version names the model's one version, :data:`.oip_codec.MODEL_VERSION`, and so does an
-    empty ``model_version``).
+    (a URL without a version names the version ``serving`` the model, and so does an empty ``model_version``).
 
     Raises:
         InvalidArgument: not a string, or another value than the URL's (names both).
     """
-    url_version = version or oip.MODEL_VERSION
+    url_version = version or serving
     for key, url_value in (("model_name", model), ("model_version", url_version)):
         value = body.get(key)
         if value is None:
@@ -291,7 +290,7 @@ def _model_fields(body: dict, model: str, version: str) -> None:
 
 
 def parse_infer(body: dict, binary: memoryview | None = None, *, model: str = "", version: str = "",
-                limit: int | None = None) -> InferRequest:
+                limit: int | None = None, serving: str = oip.MODEL_VERSION) -> InferRequest:
     """The v2 REST inference request's inputs, parameters and requested outputs; tensor-level parameters
     follow :func:`.oip_codec.check_tensor_parameters` (as the gRPC frontend's).
 
@@ -299,6 +298,7 @@ def parse_infer(body: dict, binary: memoryview | None = None, *, model: str = ""
         body: the JSON object.
         binary: the bytes after the JSON (:func:`split_body`), or None without the binary header.
         model, version: the URL's model and version (``body``'s ``model_name`` / ``model_version`` must agree).
+        serving: the version serving ``model`` now (what a URL without a version names).
         limit: the most elements one input may hold (:func:`.oip_codec.max_elements`), checked before the
             elements are copied.
 
@@ -312,7 +312,7 @@ def parse_infer(body: dict, binary: memoryview | None = None, *, model: str = ""
         raise InvalidArgument(f"'id' must be a string, got {oip.describe(body['id'])}")
     if body.get("id") is not None:
         check_text(body["id"], "'id'")
-    _model_fields(body, model, version)
+    _model_fields(body, model, version, serving)
     parameters = dict(_parameters_of(body, "the inference request"))
     binary_default = oip.binary_output_default(parameters)
     raw_inputs = body.get("inputs")

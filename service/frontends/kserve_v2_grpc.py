@@ -17,7 +17,13 @@ protocol has one form per reply), else in typed contents. Other tensor-level par
 ``classification`` are INVALID_ARGUMENT. Input and element counts are checked on the message before any
 list is built (``max_request_texts``). ServerLive, ServerReady and ModelReady are open without a token unless
 ``auth_health``, like grpc.health.v1 (kubelet probes cannot send metadata); metadata and inference need the
-token.
+token. ``model_version`` addresses a loaded version (:func:`.oip_codec.lookup`; empty: the serving one) and the
+reply names the version that answered.
+
+Triton's model repository extension (``RepositoryIndex``, ``RepositoryModelLoad``, ``RepositoryModelUnload``:
+:data:`REPOSITORY_METHODS`) goes through :mod:`.repository_codec` to the server's ``RepositoryManager``; those
+methods take admin tokens only (``service/auth.py`` ``AdminTokenInterceptor``, before the request is decoded),
+and the server metadata lists ``model_repository`` while a repository is served.
 No torch here.
 """
 
@@ -32,12 +38,16 @@ from .._proto import grpc_predict_v2_pb2 as pb
 from ..errors import InvalidArgument, shown
 from ..registry import ModelRegistry
 from . import oip_codec as oip
+from . import repository_codec as repo
 from .grpc_transport import deadline, register, rpc
 
 SERVICE_NAME = "inference.GRPCInferenceService"
 # Probe RPCs: open like grpc.health.v1 unless auth_health (method-name prefixes for the token interceptor).
 PROBE_METHODS = tuple(f"/{SERVICE_NAME}/{m}" for m in ("ServerLive", "ServerReady", "ModelReady"))
 INFER_METHOD = f"/{SERVICE_NAME}/ModelInfer"  # the RPC a drain waits for
+# The model repository extension: the admin token's RPCs (service/auth.py AdminTokenInterceptor).
+REPOSITORY_METHODS = tuple(f"/{SERVICE_NAME}/{m}"
+                           for m in ("RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"))
 
 HEALTH_TASK, METADATA_TASK = "health", "metadata"  # metrics task labels of the non-inference RPCs
 
@@ -62,13 +72,17 @@ def refused_task(name: str) -> str:
 
 
 class GRPCInferenceServicer:
-    """The six RPCs of the Open Inference Protocol over ``registry`` (see the module docstring)."""
+    """The six RPCs of the Open Inference Protocol over ``registry``, and Triton's three of the model
+    repository extension over ``repository`` (the server's ``RepositoryManager``; None: no repository, as mode
+    none without one) (see the module docstring)."""
 
     protocol = "kserve_v2_grpc"  # the metrics label (service/metrics.py PROTOCOLS), read by the rpc wrapper
 
-    def __init__(self, registry: ModelRegistry, max_send_message_length: int = 4 * 1024 * 1024) -> None:
+    def __init__(self, registry: ModelRegistry, max_send_message_length: int = 4 * 1024 * 1024,
+                 repository: repo.Manager | None = None) -> None:
         self.registry = registry
         self.max_send_message_length = max_send_message_length  # read by the rpc wrapper
+        self.repository = repository
 
     @rpc(HEALTH_TASK)
     async def ServerLive(self, request, context, scope):
@@ -89,7 +103,7 @@ class GRPCInferenceServicer:
     @rpc(METADATA_TASK)
     async def ServerMetadata(self, request, context, scope):
         scope.model = ""
-        meta = oip.server_metadata()
+        meta = oip.server_metadata((repo.EXTENSION,) if repo.serves(self.repository) else ())
         return pb.ServerMetadataResponse(name=meta.name, version=meta.version, extensions=list(meta.extensions))
 
     @rpc(METADATA_TASK)
@@ -122,7 +136,7 @@ class GRPCInferenceServicer:
                 raw = True
             requested.append(out.name)
         outputs = await oip.infer_on(runner, inputs, parameters, requested, deadline(context))
-        reply = pb.ModelInferResponse(model_name=runner.name, model_version=oip.MODEL_VERSION, id=request.id)
+        reply = pb.ModelInferResponse(model_name=runner.name, model_version=runner.version, id=request.id)
         for t in outputs:
             o = reply.outputs.add(name=t.name, datatype=t.datatype, shape=list(t.shape))
             if raw:
@@ -130,6 +144,31 @@ class GRPCInferenceServicer:
             else:
                 getattr(o.contents, _CONTENTS_FIELD[t.datatype]).extend(t.data)
         return reply
+
+
+    @rpc(repo.REPOSITORY_TASK)
+    async def RepositoryIndex(self, request, context, scope):
+        """Every model of the repositories and each version's state (:func:`.repository_codec.index`)."""
+        scope.model = ""
+        rows = repo.index(self.repository, request.repository_name, request.ready)
+        return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(
+            name=r.name, version=r.version, state=r.state, reason=r.reason) for r in rows])
+
+    @rpc(repo.REPOSITORY_TASK)
+    async def RepositoryModelLoad(self, request, context, scope):
+        """Load or reload a repository model; answered once its new versions serve."""
+        scope.model = ""
+        await repo.load(self.repository, request.model_name, repo.grpc_parameters(request.parameters),
+                        request.repository_name)
+        return pb.RepositoryModelLoadResponse()
+
+    @rpc(repo.REPOSITORY_TASK)
+    async def RepositoryModelUnload(self, request, context, scope):
+        """Drain and unload every version of a repository model."""
+        scope.model = ""
+        await repo.unload(self.repository, request.model_name, repo.grpc_parameters(request.parameters),
+                          request.repository_name)
+        return pb.RepositoryModelUnloadResponse()
 
 
 def _parameters(params: Any, what: str) -> dict[str, Any]:

@@ -53,7 +53,10 @@ use ``label`` with ``top_k``), each INVALID_ARGUMENT naming the parameter. The r
 (:func:`check_element_count`): a refused request costs memory in proportion to the limit. FP32 outputs are
 float32 values (:func:`output`), so every transport prints the same numbers.
 
-Models have one version, ``"1"``; a request may name it or leave the version empty. No torch here.
+Versions: a model from a versioned repository may have several loaded versions (``registry.loaded``); every
+other model has the one version ``"1"``. A request names a loaded version or leaves it empty for the version
+that serves the model (the highest ready one); replies name the version that answered (``runner.version``).
+No torch here.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ from .oip_tensors import (_BOOL, _INT, _NUMBER, _STRING, BOOL, BYTES, FP32, INT6
                           describe, output, text_inputs)
 
 SERVER_NAME = "relserve"
-MODEL_VERSION = "1"  # every served model has exactly this one version
+MODEL_VERSION = "1"  # the one version of a model that is not from a versioned repository
 # the protocol extensions served, as named in the server metadata (Triton's names)
 EXTENSIONS = ("binary_tensor_data",)
 BINARY_DATA_SIZE = "binary_data_size"  # input / response output parameter: bytes of binary data
@@ -277,31 +280,55 @@ def server_ready(registry: ModelRegistry) -> bool:
     return not registry.draining and registry.all_ready
 
 
-def _check_version(name: str, version: str) -> None:
-    if version not in ("", MODEL_VERSION):
-        raise NotFound(f"model {shown(name)} has no version {shown(version)}; versions: [{MODEL_VERSION!r}] "
-                       f"(or leave the version empty)")
+def _version_order(version: str) -> tuple[int, str]:
+    return (int(version), "") if version.isdigit() else (-1, version)
+
+
+def loaded_versions(registry: ModelRegistry, name: str) -> list[str]:
+    """Every loaded version of model ``name``, ascending (ModelMetadata's ``versions``, ListModels' rows)."""
+    return sorted(registry.loaded(name), key=_version_order)
+
+
+def _at_version(registry: ModelRegistry, name: str, version: str) -> Runner:
+    """Model ``name``'s runner at ``version`` ("" = the serving one), ready or not.
+
+    Raises:
+        InvalidArgument: empty name.
+        NotFound: unknown model (lists the loaded ones), or a version not loaded (lists the loaded ones).
+    """
+    runner = _known(registry, name)
+    if not version:
+        return runner
+    at = registry.loaded(name).get(version)
+    if at is None:
+        raise NotFound(f"model {shown(name)} has no version {shown(version)}; versions: "
+                       f"{loaded_versions(registry, name)} (or leave the version empty)")
+    return at
 
 
 def model_ready(registry: ModelRegistry, name: str, version: str = "") -> bool:
-    """Whether model ``name`` is loaded, warm and the server is not draining.
+    """Whether model ``name`` (at ``version``; "" = the serving version) is loaded, warm and the server is not
+    draining.
 
     An unknown model or version is not ready (False rather than an error: this is what readiness probes ask,
     and Triton answers the same way).
     """
-    runner = registry.runners.get(name)
-    return (runner is not None and version in ("", MODEL_VERSION) and runner.ready
-            and not registry.draining)
+    try:
+        runner = _at_version(registry, name, version)
+    except (InvalidArgument, NotFound):
+        return False
+    return runner.ready and not registry.draining
 
 
-def server_metadata() -> ServerMetadata:
+def server_metadata(more: Sequence[str] = ()) -> ServerMetadata:
     """The server's name (``relserve``), its package version, and the protocol extensions it serves
-    (:data:`EXTENSIONS`)."""
+    (:data:`EXTENSIONS`, then ``more``: the transport's, e.g. ``model_repository`` while a repository is
+    served)."""
     try:
         version = importlib.metadata.version("relserve")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree without an install
         version = "unknown"
-    return ServerMetadata(SERVER_NAME, version, EXTENSIONS)
+    return ServerMetadata(SERVER_NAME, version, EXTENSIONS + tuple(more))
 
 
 def _known(registry: ModelRegistry, name: str) -> Runner:
@@ -314,15 +341,15 @@ def _known(registry: ModelRegistry, name: str) -> Runner:
 
 
 def model_metadata(registry: ModelRegistry, name: str, version: str = "") -> ModelMetadata:
-    """The tensors model ``name`` takes and returns (see the module docstring), also while draining.
+    """The tensors model ``name`` (at ``version``; "" = the serving version) takes and returns (see the module
+    docstring), and every loaded version; also while draining.
 
     Raises:
         InvalidArgument: empty name.
         NotFound: unknown model (lists the loaded ones) or version.
         Unavailable: the model is not loaded yet (its task and labels are not known before).
     """
-    runner = _known(registry, name)
-    _check_version(name, version)
+    runner = _at_version(registry, name, version)
     task = runner.task
     if task is None:
         raise Unavailable(f"model {name!r} is not loaded yet (state: {runner.state}); retry later")
@@ -341,7 +368,7 @@ def model_metadata(registry: ModelRegistry, name: str, version: str = "") -> Mod
     else:
         outputs = (TensorMetadata("translation", BYTES, (-1,)),)
     outputs += tuple(TensorMetadata(*t) for t in extra_outputs)
-    return ModelMetadata(name, (MODEL_VERSION,), f"relserve_{info.backend}", inputs, outputs)
+    return ModelMetadata(name, tuple(loaded_versions(registry, name)), f"relserve_{info.backend}", inputs, outputs)
 
 
 def operation(task: str, input_names: Sequence[str]) -> str:
@@ -351,17 +378,18 @@ def operation(task: str, input_names: Sequence[str]) -> str:
 
 
 def lookup(registry: ModelRegistry, name: str, version: str = "") -> Runner:
-    """The ready runner of model ``name`` (what :func:`infer` runs on; transports call it first to label
-    their metrics with the model and its task).
+    """The ready runner of model ``name`` at ``version`` ("" = the serving one; what :func:`infer` runs on;
+    transports call it first to label their metrics with the model and its task). Its ``version`` is the
+    reply's ``model_version``.
 
     Raises:
         InvalidArgument: empty name.
-        NotFound: unknown model (lists the loaded ones) or version.
-        Unavailable: draining, or the model is not ready yet.
+        NotFound: unknown model (lists the loaded ones) or version (lists the loaded versions).
+        Unavailable: draining, or the model (version) is not ready yet.
     """
-    runner = _known(registry, name)
-    _check_version(name, version)
-    return registry.get(name, runner.task or "")  # draining / readiness checks, as relserve.v1
+    runner = _at_version(registry, name, version)
+    # draining / readiness checks, as relserve.v1
+    return registry.get(name, runner.task or "", runner.version if version else "")
 
 
 async def infer(registry: ModelRegistry, model_name: str, inputs: Sequence[Tensor],

@@ -15,20 +15,36 @@ from ..tasks import classify as classify_task
 from ..tasks import qa, rerank as rerank_task, token_classification, translate as translate_task
 from ..tasks import zero_shot
 from ..tasks.translate import StreamEvent, TranslationItem
+from .oip_codec import loaded_versions
+
+
+# Runner.state -> the state name of ModelInfo.state (the KServe v2 repository index's names, Triton's)
+_STATES = {"created": "LOADING", "loading": "LOADING", "warming": "LOADING", "ready": "READY",
+           "closed": "UNLOADING", "failed": "UNAVAILABLE"}
+
+
+def model_state(runner: Any) -> str:
+    """``READY`` while ``runner`` computes; ``LOADING`` before; ``UNAVAILABLE`` when it failed or its worker is
+    being replaced; ``UNLOADING`` once closed."""
+    if runner.state == "ready" and not runner.ready:
+        return "UNAVAILABLE"
+    return _STATES.get(runner.state, "UNAVAILABLE")
 
 
 def list_models(registry: ModelRegistry) -> Any:
-    """``ListModelsResponse``: every served model, sorted by name."""
+    """``ListModelsResponse``: one row per loaded version of every served model, sorted by name then version."""
     out = inference_pb2.ListModelsResponse()
     for name in registry.names():
-        runner = registry.runners[name]
-        info = runner.info()
-        out.models.add(
-            name=info.name, task=info.task, family=info.family, backend=info.backend, device=info.device,
-            dtype=info.dtype, max_seq_len=info.max_seq_len, labels=list(info.labels),
-            max_batch_size=info.max_batch_size, function_to_apply=classify_task.model_default_function(runner),
-            dtype_reason=info.dtype_reason,
-        )
+        loaded = registry.loaded(name)
+        for version in loaded_versions(registry, name):
+            runner = loaded[version]
+            info = runner.info()
+            out.models.add(
+                name=info.name, task=info.task, family=info.family, backend=info.backend, device=info.device,
+                dtype=info.dtype, max_seq_len=info.max_seq_len, labels=list(info.labels),
+                max_batch_size=info.max_batch_size, function_to_apply=classify_task.model_default_function(runner),
+                dtype_reason=info.dtype_reason, version=version, state=model_state(runner),
+            )
     return out
 
 

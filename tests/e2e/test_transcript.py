@@ -36,6 +36,9 @@ HTTP_ROUTES = {
     "POST /v1/zero-shot-classify": r"/v1/zero-shot-classify",
     "POST /v1/classify-tokens": r"/v1/classify-tokens",
     "POST /v1/rerank": r"/v1/rerank",
+    "POST /v2/repository/index": r"/v2/repository/index",
+    "POST /v2/repository/models/{name}/load": r"/v2/repository/models/[^/]+/load",
+    "POST /v2/repository/models/{name}/unload": r"/v2/repository/models/[^/]+/unload",
     "GET /metrics": r"/metrics",
 }
 

@@ -41,6 +41,7 @@ t.join()
 """
 
 
+@pytest.mark.alone  # the spinning thread must get a core to hold the GIL most of the window
 @pytest.mark.skipif(gil.available() is None, reason="py-spy is not installed")
 def test_sampler_sees_a_thread_that_holds_the_gil():
     child = subprocess.Popen([sys.executable, "-c", SPIN], stdout=subprocess.PIPE, text=True)

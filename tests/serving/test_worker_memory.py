@@ -67,6 +67,7 @@ def _soak(path, heap_trim_mb: int) -> tuple[float, list]:
         backend.close()
 
 
+@pytest.mark.alone  # resident memory of a worker process: nothing else allocating beside it
 def test_new_shapes_leave_the_worker_within_its_bound(checkpoint, monkeypatch):
     # an in-process model loaded earlier in this session capped the kernel caches in os.environ
     # (torch_device.bound_kernel_caches), which a worker started now would inherit: the unbounded worker must

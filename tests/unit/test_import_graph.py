@@ -278,7 +278,7 @@ def test_product_code_imports_no_test_code():
 LAYERS = (
     ("frontends", ("relserve.service.frontends",)),
     ("tasks", ("relserve.service.tasks",)),
-    ("runtime", ("relserve.service.runner", "relserve.service.registry")),
+    ("runtime", ("relserve.service.runner", "relserve.service.registry", "relserve.service.repository")),
     ("scheduling", ("relserve.service.scheduling",)),
     ("backends", ("relserve.service.backends",)),
     ("models", ("relserve.models",)),
@@ -294,7 +294,7 @@ WIRING = ("relserve.service", "relserve.service.server", "relserve.service.main"
 SURFACES = ("relserve.service.frontends.grpc_v1", "relserve.service.frontends.kserve_v2_grpc",
             "relserve.service.frontends.http_v2", "relserve.service.frontends.http_v1",
             "relserve.service.frontends.kserve_v1", "relserve.service.frontends.hf_inference",
-            "relserve.service.frontends.tei")
+            "relserve.service.frontends.tei", "relserve.service.frontends.http_repository")
 
 
 def _under(module: str, prefixes: tuple[str, ...]) -> bool:
