@@ -472,6 +472,13 @@ def _f(v: float | None, digits: int = 3) -> str:
     return "n/a" if v is None else f"{v:.{digits}f}"
 
 
+# the defaults of the arguments that --quick shortens (left None by the parser)
+QUICK = {"repeats": 1, "sentences": 256, "server_duration": 10.0, "offline_seconds": 8.0, "sat_duration": 5.0,
+         "sat_warmup": 1.5, "sat_repeats": 1}
+FULL = {"repeats": 3, "sentences": 800, "server_duration": 20.0, "offline_seconds": 15.0, "sat_duration": 20.0,
+        "sat_warmup": 3.0, "sat_repeats": 2}
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = harness.parser("cpu", __doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
@@ -506,19 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _defaults(args: argparse.Namespace) -> argparse.Namespace:
-    quick = {"repeats": 1, "sentences": 256, "server_duration": 10.0, "offline_seconds": 8.0, "sat_duration": 5.0,
-             "sat_warmup": 1.5, "sat_repeats": 1}
-    full = {"repeats": 3, "sentences": 800, "server_duration": 20.0, "offline_seconds": 15.0, "sat_duration": 20.0,
-            "sat_warmup": 3.0, "sat_repeats": 2}
-    for k, v in (quick if args.quick else full).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    return args
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = _defaults(build_parser().parse_args(argv))
+    args = harness.fill_defaults(build_parser().parse_args(argv), quick=QUICK, full=FULL)
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     from relserve.models.tokenization import load_tokenizer
     from relserve.service.cpu_features import bf16_support

@@ -236,6 +236,13 @@ def print_table(rows: list[dict[str, Any]], log=print) -> None:
         log(f"{r['figure']:<86} {r['relserve']:9.2f} {peer} {r['unit']:>6} {ratio} {need:>7}  {r['verdict']}")
 
 
+# the defaults of the arguments that --quick shortens (left None by the parser)
+QUICK = {"repeats": 1, "sentences": 128, "server_duration": 8.0, "sat_duration": 6.0, "sat_warmup": 2.0,
+         "sat_repeats": 1, "memory_load_s": 15.0}
+FULL = {"repeats": 3, "sentences": 800, "server_duration": 20.0, "sat_duration": 20.0, "sat_warmup": 3.0,
+        "sat_repeats": 2, "memory_load_s": 60.0}
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = harness.parser("cpu_openvino", __doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 repeat, 128 sentences, short served / translation / "
@@ -269,19 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _defaults(args: argparse.Namespace) -> argparse.Namespace:
-    quick = {"repeats": 1, "sentences": 128, "server_duration": 8.0, "sat_duration": 6.0, "sat_warmup": 2.0,
-             "sat_repeats": 1, "memory_load_s": 15.0}
-    full = {"repeats": 3, "sentences": 800, "server_duration": 20.0, "sat_duration": 20.0, "sat_warmup": 3.0,
-            "sat_repeats": 2, "memory_load_s": 60.0}
-    for k, v in (quick if args.quick else full).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    return args
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = _defaults(build_parser().parse_args(argv))
+    args = harness.fill_defaults(build_parser().parse_args(argv), quick=QUICK, full=FULL)
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     torch.set_num_threads(args.threads)
     from relserve.service.cpu_features import bf16_support

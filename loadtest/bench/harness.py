@@ -4,6 +4,8 @@ side-by-side ratios and JSON output.
 * :func:`parser` and :func:`add_common_args`: ``python -m relserve.loadtest.bench.<name>`` with the common
   arguments ``--threads``, ``--repeats``, ``--warmup`` and ``--json`` (each benchmark passes its own defaults and
   help, so its flags stay what they were; ``--json`` is either ``--json FILE`` or a plain switch that prints);
+  :func:`fill_defaults`: the defaults of arguments that differ between ``--quick`` and a full run;
+* :func:`child_pids`: a server's worker processes, for the benchmarks that measure them;
 * :func:`time_call`, :func:`median_seconds`, :func:`interleaved` and :func:`medians`: untimed warm-up calls,
   then ``repeats`` timed ones; side by side, every round runs each path once, the order rotating per round, so
   drift in the machine's load hits every path alike;
@@ -52,6 +54,17 @@ def add_common_args(ap: argparse.ArgumentParser, *, threads: Any = _UNSET, threa
         raise ValueError(f"json must be 'file', 'print' or None, not {json!r}")
 
 
+def fill_defaults(args: argparse.Namespace, *, quick: Mapping[str, Any],
+                  full: Mapping[str, Any]) -> argparse.Namespace:
+    """Give each argument in ``quick`` / ``full`` (those of ``--quick`` or of a full run, as ``args.quick`` says)
+    that was left ``None`` on the command line its value there; a value given on the command line stays.
+    Returns ``args``, changed in place."""
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
 def cpu_name() -> str:
     """The CPU's model name (/proc/cpuinfo), for the figures a benchmark prints: they hold for that CPU only."""
     try:
@@ -61,6 +74,19 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+def child_pids(pid: int) -> list[int]:
+    """The child processes of ``pid`` now, sorted (Linux ``/proc/<pid>/task/*/children``: every thread's list,
+    since the server starts its workers from several threads). A thread or process that ends meanwhile adds
+    none; a process that is gone has none."""
+    out: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out.update(int(c) for c in (task / "children").read_text().split())
+        except OSError:
+            continue
+    return sorted(out)
 
 
 def time_call(fn: Callable[[], Any]) -> float:

@@ -42,24 +42,13 @@ _FIELD = re.compile(rb"^(\w+):\s+(\d+) kB", re.M)
 _HWM = re.compile(rb"^VmHWM:\s+(\d+) kB", re.M)
 
 
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out.extend(int(c) for c in f.read().split())
-    except OSError:
-        pass
-    return sorted(set(out))
-
-
 def tree(pid: int) -> list[int]:
     """``pid`` and its descendants now (Linux /proc)."""
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
         out.append(p)
-        todo.extend(_children(p))
+        todo.extend(harness.child_pids(p))
     return out
 
 

@@ -39,21 +39,10 @@ def _rss(pid: int) -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _children(pid: int) -> list[int]:
-    """Child processes of ``pid`` (each thread's list: the workers are started from the server's threads)."""
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(x) for x in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return sorted(set(out))
-
-
 def snapshot(server_pid: int) -> dict[str, int]:
     """``{"server": bytes, "worker <pid>": bytes, ...}`` resident now (workers: the server's child processes)."""
     out = {}
-    for name, pid in [("server", server_pid)] + [(f"worker {p}", p) for p in _children(server_pid)]:
+    for name, pid in [("server", server_pid)] + [(f"worker {p}", p) for p in harness.child_pids(server_pid)]:
         try:
             out[name] = _rss(pid)
         except (OSError, ValueError, IndexError):

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from . import harness
 from ..serverproc import ServerProcess
 from .translation import DEFAULT_MODEL, EVERYDAY, REPO, _percentile, _saturate, pooled
 
@@ -45,17 +46,6 @@ def load_short_sentences(path: Path | None, limit: int) -> tuple[list[str], Path
     raise SystemExit(f"no sentences: neither {SHARED_TATOEBA} nor {EVERYDAY} exists")
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out.extend(int(c) for c in f.read().split())
-    except OSError:
-        pass
-    return out
-
-
 def _tree_sum(pid: int, read: Callable[[int], float]) -> float:
     """``read(p)`` summed over process ``pid`` and its descendants now; a process that ends meanwhile (its /proc
     files unreadable or cut short) counts nothing, and neither do its children."""
@@ -66,7 +56,7 @@ def _tree_sum(pid: int, read: Callable[[int], float]) -> float:
             total += read(p)
         except (OSError, IndexError, ValueError):
             continue
-        todo.extend(_children(p))
+        todo.extend(harness.child_pids(p))
     return total
 
 

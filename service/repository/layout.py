@@ -130,10 +130,18 @@ def fingerprint(path: Path, root_real: str) -> Fingerprint:
         ConfigError: a file or directory under it is a symbolic link resolving outside the repository.
     """
     rows = []
+    # links are followed, so a link to a directory above it (``ln -s . a``) would be walked again at every
+    # level: each real directory is walked once (two such links made the walk exponential)
+    seen = {os.path.realpath(path)}
     for base, dirs, files in os.walk(path, followlinks=True):
         for d in list(dirs):
             if _outside(Path(base) / d, root_real):
                 raise ConfigError(f"{str(Path(base) / d)!r} is a symbolic link out of the repository")
+            real = os.path.realpath(Path(base) / d)
+            if real in seen:
+                dirs.remove(d)
+            else:
+                seen.add(real)
         for f in files:
             full = Path(base) / f
             if _outside(full, root_real):

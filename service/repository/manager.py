@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from .. import metrics
 from ..config import MIB, MODEL_KEYS, ModelConfig, ServerConfig
-from ..errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from ..errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound, Unavailable, shown
 from ..registry import ModelRegistry
 from ..runner import Runner
 from . import layout
@@ -76,6 +76,7 @@ class RepositoryManager:
         self._overrides: dict[str, dict[str, Any]] = {}  # name -> the load API's config, kept for reloads
         self._lock = asyncio.Lock()
         self._poller: asyncio.Task | None = None
+        self._changes: set[asyncio.Task] = set()  # API loads / unloads whose caller was cancelled
         self._closed = False
 
     # ------------------------------------------------------------------ start and stop
@@ -143,6 +144,9 @@ class RepositoryManager:
             except (asyncio.CancelledError, Exception):
                 pass
             self._poller = None
+        for task in list(self._changes):  # a load whose caller went away: the server stops instead
+            task.cancel()
+        await asyncio.gather(*self._changes, return_exceptions=True)
         await self._loader.close(
             [s.runner for slots in self._slots.values() for s in slots.values()
              if s.runner is not None and self.registry.runners.get(s.runner.name) is not s.runner])
@@ -192,32 +196,13 @@ class RepositoryManager:
         layout.check_name(name)
         overrides = _load_parameters(parameters)
         if name in self._fixed:
-            raise FailedPrecondition(f"model {name!r} is served from --model / models:, not from the repository; "
+            raise FailedPrecondition(f"model {shown(name)} is served from --model / models:, not from the repository; "
                                      f"it cannot be loaded or unloaded through the repository API")
         if self.registry.draining:
             raise Unavailable("server is shutting down and loads no model; retry on another replica")
-        async with self._lock:
-            known = await self._scan()
-            model = known.get(name)
-            if model is None:
-                raise NotFound(f"model {name!r} is not in the model repositories "
-                               f"{[str(r) for r in self.repositories]}; models there: {sorted(known)}")
-            policy = overrides.pop("version_policy", None)
-            if policy is not None:
-                try:
-                    model = dataclasses.replace(model, policy=layout.parse_policy(policy, "config"))
-                except ConfigError as exc:
-                    raise InvalidArgument(str(exc)) from None
-            if not model.problem and model.versions:
-                try:
-                    model.config(model.selected()[-1] if model.selected() else next(iter(model.versions)), overrides)
-                except ConfigError as exc:
-                    raise InvalidArgument(f"parameter config: {exc}") from None
-            self._overrides[name] = overrides
-            problem = await self._apply(model, retry=True)
-            self._known = known
+        problem = await self._to_the_end(self._load_locked(name, overrides))
         if problem:
-            raise Unavailable(f"model {name!r}: {problem}")
+            raise Unavailable(f"model {shown(name)}: {problem}")
 
     async def unload(self, name: str, parameters: Mapping[str, object] | None = None) -> None:
         """Take model ``name`` out of the registry (calls after get NOT_FOUND), let its queued and running work
@@ -234,13 +219,53 @@ class RepositoryManager:
         if parameters and "unload_dependents" in parameters and not isinstance(parameters["unload_dependents"], bool):
             raise InvalidArgument("parameter unload_dependents must be a bool")
         if name in self._fixed:
-            raise FailedPrecondition(f"model {name!r} is served from --model / models:, not from the repository; "
+            raise FailedPrecondition(f"model {shown(name)} is served from --model / models:, not from the repository; "
                                      f"it cannot be unloaded")
+        await self._to_the_end(self._unload_locked(name))
+
+    async def _to_the_end(self, change: Any) -> Any:
+        """Run ``change`` (a load or an unload under the lock) to its end even when the call is cancelled (the
+        client's deadline passed, or it went away): cut short, a version would stay LOADING or UNLOADING with
+        its worker running. The cancelled caller still gets CancelledError; the change finishes in the
+        background and its outcome is in the index and the log."""
+        task = asyncio.ensure_future(change)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._changes.add(task)
+            task.add_done_callback(self._changes.discard)
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # the load logs its failure
+            raise
+
+    async def _load_locked(self, name: str, overrides: dict[str, Any]) -> str:
+        async with self._lock:
+            known = await self._scan()
+            model = known.get(name)
+            if model is None:
+                raise NotFound(f"model {shown(name)} is not in the model repositories "
+                               f"{[str(r) for r in self.repositories]}; models there: {sorted(known)}")
+            policy = overrides.pop("version_policy", None)
+            if policy is not None:
+                try:
+                    model = dataclasses.replace(model, policy=layout.parse_policy(policy, "config"))
+                except ConfigError as exc:
+                    raise InvalidArgument(str(exc)) from None
+            if not model.problem and model.versions:
+                try:
+                    model.config(model.selected()[-1] if model.selected() else next(iter(model.versions)), overrides)
+                except ConfigError as exc:
+                    raise InvalidArgument(f"parameter config: {exc}") from None
+            self._overrides[name] = overrides
+            problem = await self._apply(model, retry=True)
+            self._known = known
+        return problem
+
+    async def _unload_locked(self, name: str) -> None:
         async with self._lock:
             known = await self._scan()
             self._known = known
             if name not in known and name not in self._slots:
-                raise NotFound(f"model {name!r} is neither loaded nor in the model repositories; models there: "
+                raise NotFound(f"model {shown(name)} is neither loaded nor in the model repositories; models there: "
                                f"{sorted(known)}")
             await self._unload_all(name, "unloaded", wait=True)
             self._overrides.pop(name, None)
@@ -276,9 +301,18 @@ class RepositoryManager:
                 reason = self._reasons.get(name) or (model.problem if model else "") or "not loaded"
                 rows.append(IndexEntry(name, "", UNAVAILABLE, reason))
                 continue
+            # a loaded model whose repository entry is now refused keeps serving what it loaded (a broken edit
+            # takes nothing down); its READY rows say so, since only they show the operator the refusal
+            refused = self._reasons.get(name, "")
             for version in sorted(slots, key=int):
                 slot = slots[version]
-                rows.append(IndexEntry(name, version, slot.state, "" if slot.state == READY else slot.reason))
+                if slot.state != READY:
+                    reason = slot.reason
+                elif refused:
+                    reason = f"serving the files loaded earlier; the repository entry is refused: {refused}"
+                else:
+                    reason = ""
+                rows.append(IndexEntry(name, version, slot.state, reason))
         return [r for r in rows if r.state == READY] if ready else rows
 
     # ------------------------------------------------------------------ changes (under the lock)

@@ -735,35 +735,42 @@ def test_console_script_runs_help():
 TLS_AUTH = K8S / "components" / "tls-auth"
 
 
-def _with_component(tmp_path: Path, overlay: str, component: Path) -> Path:
+def _with_components(tmp_path: Path, overlay: str, *components: Path) -> Path:
+    """``tmp_path`` made a kustomization: ``overlay`` with ``components`` laid over it, in that order."""
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
         "resources": [os.path.relpath(TARGETS[overlay], tmp_path)],
-        "components": [os.path.relpath(component, tmp_path)],
+        "components": [os.path.relpath(c, tmp_path) for c in components],
     }))
     return tmp_path
 
 
-@pytest.fixture(scope="module", params=OVERLAYS)
-def secured(request, tmp_path_factory) -> tuple[str, Path, list[dict]]:
-    root = _with_component(tmp_path_factory.mktemp(f"tls-{request.param}"), request.param, TLS_AUTH)
-    return request.param, root, render(root)
-
-
-def test_tls_auth_component_renders_like_kubectl_and_validates(secured):
-    name, root, docs = secured
+def _assert_like_kubectl_and_valid(label: str, root: Path, docs: list[dict]) -> None:
+    """``docs`` (our render of ``root``) equal ``kubectl kustomize root``'s where kubectl is installed, and every
+    one of them is valid (strict) for each of K8S_VERSIONS; failures name ``label``."""
     if shutil.which("kubectl"):
         out = subprocess.run(["kubectl", "kustomize", str(root)], capture_output=True, text=True, check=True,
                              timeout=60).stdout
         theirs = {_id(d): d for d in yaml.safe_load_all(out) if d}
-        assert {_id(d): d for d in docs} == theirs, f"{name}+tls-auth differs from kubectl kustomize"
+        assert {_id(d): d for d in docs} == theirs, f"{label} differs from kubectl kustomize"
     for doc in docs:
         for version in K8S_VERSIONS:
             try:
                 kv.validate(doc, version, strict=True)
             except kv.ValidationError as exc:
-                pytest.fail(f"{name}+tls-auth: {_id(doc)} invalid for Kubernetes {version}: {exc.message} at "
+                pytest.fail(f"{label}: {_id(doc)} invalid for Kubernetes {version}: {exc.message} at "
                             f"{list(exc.path)}")
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def secured(request, tmp_path_factory) -> tuple[str, Path, list[dict]]:
+    root = _with_components(tmp_path_factory.mktemp(f"tls-{request.param}"), request.param, TLS_AUTH)
+    return request.param, root, render(root)
+
+
+def test_tls_auth_component_renders_like_kubectl_and_validates(secured):
+    name, root, docs = secured
+    _assert_like_kubectl_and_valid(f"{name}+tls-auth", root, docs)
 
 
 def _secret_file(docs: list[dict], path: str) -> tuple[str, str]:

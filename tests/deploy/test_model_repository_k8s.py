@@ -19,55 +19,32 @@ admin token as its own Secret), checked offline and against a real server.
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 import test_deploy as td  # noqa: E402  (tests/deploy is on sys.path: pytest's rootdir-relative import)
 
-kv = td.kv
 COMPONENT = td.K8S / "components" / "model-repository"
 PUBLISH_JOB = COMPONENT / "publish-job.yaml"
 REPO_KEYS = {"model_repositories", "model_control_mode", "repository_poll_secs", "admin_token_file"}
-
-
-def _with_components(tmp_path: Path, overlay: str, *components: Path) -> Path:
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": [os.path.relpath(td.TARGETS[overlay], tmp_path)],
-        "components": [os.path.relpath(c, tmp_path) for c in components],
-    }))
-    return tmp_path
 
 
 @pytest.fixture(scope="module", params=[("cpu",), ("gpu",), ("cpu", "tls-auth")], ids="+".join)
 def with_repository(request, tmp_path_factory) -> tuple[str, Path, list[dict]]:
     overlay, *more = request.param
     comps = [COMPONENT] + [td.K8S / "components" / c for c in more]
-    root = _with_components(tmp_path_factory.mktemp("repo-" + "-".join(request.param)), overlay, *comps)
+    root = td._with_components(tmp_path_factory.mktemp("repo-" + "-".join(request.param)), overlay, *comps)
     return "+".join(request.param), root, td.render(root)
 
 
 def test_component_renders_like_kubectl_and_validates(with_repository):
     name, root, docs = with_repository
-    if shutil.which("kubectl"):
-        out = subprocess.run(["kubectl", "kustomize", str(root)], capture_output=True, text=True, check=True,
-                             timeout=60).stdout
-        theirs = {td._id(d): d for d in yaml.safe_load_all(out) if d}
-        assert {td._id(d): d for d in docs} == theirs, f"{name}+model-repository differs from kubectl kustomize"
+    td._assert_like_kubectl_and_valid(f"{name}+model-repository", root, docs)
     assert td._one(docs, "PersistentVolumeClaim")["spec"]["accessModes"] == ["ReadWriteMany"]
-    for doc in docs:
-        for version in td.K8S_VERSIONS:
-            try:
-                kv.validate(doc, version, strict=True)
-            except kv.ValidationError as exc:
-                pytest.fail(f"{name}: {td._id(doc)} invalid for Kubernetes {version}: {exc.message} at "
-                            f"{list(exc.path)}")
 
 
 def _mount_of(docs: list[dict], path: str) -> tuple[dict, dict]:

@@ -6,6 +6,9 @@ import argparse
 import ast
 import importlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,6 +56,31 @@ def test_common_args_keep_each_benchmarks_defaults_and_json_forms(tmp_path, caps
     assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == [{"x": 1}, {"x": 2}]
     harness.emit_json(ap.parse_args([]), [{"x": 1}])
     assert capsys.readouterr().out == ""
+
+
+def test_fill_defaults_takes_the_quick_or_full_value_only_where_the_command_line_gave_none():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--seconds", type=float, default=None)
+    quick, full = {"repeats": 1, "seconds": 5.0}, {"repeats": 3, "seconds": 20.0}
+    fill = harness.fill_defaults
+    assert vars(fill(ap.parse_args([]), quick=quick, full=full)) == {"quick": False, "repeats": 3, "seconds": 20.0}
+    assert vars(fill(ap.parse_args(["--quick"]), quick=quick, full=full)) == {
+        "quick": True, "repeats": 1, "seconds": 5.0}
+    assert vars(fill(ap.parse_args(["--quick", "--repeats", "7"]), quick=quick, full=full)) == {
+        "quick": True, "repeats": 7, "seconds": 5.0}
+
+
+def test_child_pids_lists_a_started_child_and_none_for_a_gone_process():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in harness.child_pids(os.getpid())
+        assert harness.child_pids(child.pid) == []
+    finally:
+        child.kill()
+        child.wait()
+    assert harness.child_pids(child.pid) == []
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)

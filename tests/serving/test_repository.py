@@ -192,6 +192,22 @@ def test_poll_mode_adds_swaps_keeps_reloads_and_removes(versions, tmp_path):
         got = np.array([[{s.label: s.score for s in r.labels}[n.upper()] for n in LABELS] for r in reply.results])
         np.testing.assert_allclose(got, versions["2"][1], atol=1e-5)
 
+        # a broken relserve.yaml: the loaded version keeps serving, and its READY row says the entry is refused
+        yaml_path = repo / "polled" / "relserve.yaml"
+        (repo / "polled" / ".relserve.yaml").write_text(OPTIONS + "no_such_key: 1\n")
+        os.replace(repo / "polled" / ".relserve.yaml", yaml_path)
+        rows = wait_for(srv, lambda rows: any(r.state == "READY" and "refused" in r.reason for r in rows),
+                        "said the entry is refused")
+        ((row,),) = [[r for r in rows if r.state == "READY"]]
+        assert row.version == "2" and "no_such_key" in row.reason, row
+        reply = srv.stub.Classify(pb.ClassifyRequest(model="polled", texts=TEXTS, top_k=0), timeout=30)
+        still = np.array([[{s.label: s.score for s in r.labels}[n.upper()] for n in LABELS] for r in reply.results])
+        np.testing.assert_allclose(still, versions["2"][1], atol=1e-5)
+        (repo / "polled" / ".relserve.yaml").write_text(OPTIONS)
+        os.replace(repo / "polled" / ".relserve.yaml", yaml_path)
+        wait_for(srv, lambda rows: [r for r in rows if r.state == "READY"] == [IndexEntry("polled", "2", "READY", "")],
+                 "cleared the refusal")
+
         # the directory removed: unloaded, NOT_FOUND after, its health service unknown again
         remove(repo / "polled")
         wait_for(srv, lambda rows: rows == [], "unloaded the removed model")
@@ -355,3 +371,33 @@ def test_a_bad_repository_fails_the_start_before_any_port_is_bound(tmp_path, cap
     assert re.search(why, err), err
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))  # still free: refused before binding
+
+
+def test_a_load_or_unload_whose_caller_goes_away_still_finishes(versions, tmp_path):
+    # a client's deadline cancels the RPC handler: cut short with it, the version stayed LOADING for good
+    import asyncio
+
+    repo = tmp_path / "repo"
+    (repo / "m").mkdir(parents=True)
+    (repo / "m" / "relserve.yaml").write_text(OPTIONS)
+    shutil.copytree(versions["1"][0], repo / "m" / "1")
+    srv = Running(server_config(model_repositories=(repo,), model_control_mode="explicit", metrics_port=None), None)
+    manager = srv.server.repository
+
+    async def leave(change):
+        task = asyncio.ensure_future(change)
+        while not task.done() and all(r.state == "UNAVAILABLE" or r.state == "READY" for r in manager.index()):
+            await asyncio.sleep(0)  # until the change shows in the index (LOADING / UNLOADING)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    try:
+        srv.wait_serving(timeout=60)
+        srv.call(leave(manager.load("m")))
+        wait_for(srv, lambda rows: rows == [IndexEntry("m", "1", "READY", "")], "finished the load")
+        assert probabilities(srv, "m").shape == (len(TEXTS), len(LABELS))
+        srv.call(leave(manager.unload("m")))
+        wait_for(srv, lambda rows: rows == [IndexEntry("m", "1", "UNAVAILABLE", "unloaded")], "finished the unload")
+    finally:
+        srv.close()

@@ -132,7 +132,11 @@ def test_a_worker_that_dies_during_a_batch_fails_that_batch_only(srv):
     os.kill(old, signal.SIGSTOP)
     call = srv.stub.Answer.future(pb.AnswerRequest(model="qa-worker", question="Who is Tom?", context=CONTEXT),
                                   timeout=60)
-    time.sleep(0.5)
+    # until the batch is on the pipe to the child (a fixed sleep lost the race on a busy machine: the call was still
+    # queued when the child died, and queued calls fail fast UNAVAILABLE instead)
+    end = time.monotonic() + 30
+    while backend._call_since is None and time.monotonic() < end:
+        time.sleep(0.01)
     os.kill(old, signal.SIGKILL)
     with pytest.raises(grpc.RpcError) as err:
         call.result()

@@ -127,6 +127,17 @@ def test_the_fingerprint_sees_a_changed_file(tmp_path):
     assert layout.scan([tmp_path])["m"].versions["1"].fingerprint != before
 
 
+def test_links_back_up_the_tree_are_walked_once(tmp_path):
+    # a link to the version's own directory was walked again at every level until ELOOP (40 copies of each file;
+    # two such links: 2**40 directories, and the poll never returned)
+    version = checkpoint(tmp_path / "m" / "1")
+    os.symlink(".", version / "a")
+    model = layout.scan([tmp_path])["m"]
+    assert model.problem == ""
+    assert [row[0] for row in model.versions["1"].fingerprint] == ["config.json", "model.safetensors",
+                                                                     "tokenizer.json"]
+
+
 @pytest.mark.parametrize("name, why", [
     ("", "empty"), ("a/b", "is a path"), ("..", "is a path"), ("a..b", "is a path"), ("x\\y", "is a path"),
     ("-x", "must match"),
@@ -176,3 +187,21 @@ def test_repository_keys_from_flags_and_file(tmp_path, monkeypatch):
         (conf / "server.yaml").write_text(text)
         with pytest.raises(ConfigError, match=why):
             load_config(conf / "server.yaml")
+
+
+def test_the_manager_quotes_a_long_name_cut(tmp_path):
+    # a 20,000-character name echoed whole overflowed the client's metadata limit: RESOURCE_EXHAUSTED, not NOT_FOUND
+    import asyncio
+
+    from relserve.service.config import config_from_args
+    from relserve.service.errors import NotFound
+    from relserve.service.main import build_parser
+    from relserve.service.repository.manager import RepositoryManager
+
+    args = build_parser().parse_args(["serve", "--model-repository", str(tmp_path), "--model-control-mode",
+                                      "explicit"])
+    manager = RepositoryManager(config_from_args(args, {}))
+    for call in (manager.load, manager.unload):
+        with pytest.raises(NotFound) as err:
+            asyncio.run(call("a" * 20000))
+        assert "(20000 characters)" in str(err.value) and len(str(err.value)) < 300
