@@ -69,13 +69,21 @@ async def serve(core: HttpTransport, request: web.Request, *, protocol: str, nam
             f"fewer or shorter texts")
         return error(grpc.StatusCode[count.code], message or exc.reason, exc.status)
     except Exception as exc:
-        status, details = to_status(exc)
-        count.code = status.name
-        if status == grpc.StatusCode.INTERNAL:
-            log.exception("%s request to model %r failed: %s", protocol, count.model, details)
+        status, details = counted_failure(count, exc, log, f"{protocol} request to model {count.model!r}")
         return error(status, details, None, getattr(exc, "retry_after_s", None), exc)
     finally:
         count.done()
+
+
+def counted_failure(count: Counted, exc: Exception, logger: logging.Logger, what: str) -> tuple[grpc.StatusCode, str]:
+    """The status and details of a request that raised ``exc`` (:func:`relserve.service.errors.to_status`), set as
+    ``count``'s code; an unexpected error (INTERNAL) is logged with its traceback as ``"<what> failed: ..."``
+    on ``logger`` (call it from the ``except`` block)."""
+    status, details = to_status(exc)
+    count.code = status.name
+    if status == grpc.StatusCode.INTERNAL:
+        logger.exception("%s failed: %s", what, details)
+    return status, details
 
 
 def not_allowed(error: ErrorReply, allowed: str) -> Callable[[web.Request], Awaitable[web.Response]]:

@@ -29,14 +29,14 @@ from __future__ import annotations
 import logging
 from typing import Any, Awaitable, Callable
 
-import grpc
 from aiohttp import web
 
 from ..auth import AdminTokenInterceptor
-from ..errors import InvalidArgument, shown, to_status
+from ..errors import InvalidArgument, shown
 from . import repository_codec as repo
 from .http_transport import (HTTP_CODES, Counted, HttpTransport, authorization, error_response, http_words,
                              json_response)
+from .http_calls import counted_failure
 from .json_codec import loads
 
 log = logging.getLogger(__name__)
@@ -110,10 +110,7 @@ class RepositorySurface:
             count.code = HTTP_CODES.get(exc.status, "INVALID_ARGUMENT")
             raise
         except Exception as exc:
-            status, details = to_status(exc)
-            count.code = status.name
-            if status == grpc.StatusCode.INTERNAL:
-                log.exception("%s %s failed: %s", request.method, shown(request.path), details)
+            status, details = counted_failure(count, exc, log, f"{request.method} {shown(request.path)}")
             return error_response(status, details)
         finally:
             count.done()

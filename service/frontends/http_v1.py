@@ -32,12 +32,13 @@ from google.protobuf import json_format
 from .. import metrics
 from .._proto import inference_pb2
 from ..backends.base import TASK_CLASSIFICATION, TASK_QA, TASK_TOKEN_CLASSIFICATION, TASK_TRANSLATION
-from ..errors import Cancelled, InvalidArgument, to_status
+from ..errors import Cancelled, InvalidArgument
 from ..scheduling.pushback import pushback_ms
 from ..tasks.rerank import TASK_RERANK
 from ..tasks.zero_shot import TASK_ZERO_SHOT
 from . import v1_codec
 from .http_transport import Counted, Deadline, HttpTransport, deadline_response, error_response, json_response
+from .http_calls import counted_failure
 from .json_codec import CountRefused
 from .messages import MalformedRequest, check_message_size, refuse_malformed
 
@@ -157,10 +158,7 @@ class _V1:
                 count.code = (grpc.StatusCode.DEADLINE_EXCEEDED if expired() else grpc.StatusCode.CANCELLED).name
                 raise
             except Exception as exc:
-                status, details = to_status(exc)
-                count.code = status.name
-                if status == grpc.StatusCode.INTERNAL:
-                    log.exception("%s on model %r failed: %s", rpc, count.model, details)
+                status, details = counted_failure(count, exc, log, f"{rpc} on model {count.model!r}")
                 if expired():  # answered as the deadline's 504 (HttpTransport.within)
                     count.code = grpc.StatusCode.DEADLINE_EXCEEDED.name
                     raise asyncio.CancelledError() from None

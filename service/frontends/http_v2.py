@@ -48,11 +48,11 @@ import logging
 import grpc
 from aiohttp import web
 
-from ..errors import to_status
 from . import oip_codec as oip
 from . import repository_codec as repo
 from .http_transport import (HTTP_CODES, Counted, Deadline, HttpTransport, deadline_response, error_response,
                              json_response)
+from .http_calls import counted_failure
 from .json_codec import INFERENCE_HEADER, InferRequest, encode_reply, loads, parse_infer, split_body
 
 log = logging.getLogger(__name__)
@@ -152,10 +152,7 @@ class _V2:
             count.code = HTTP_CODES.get(exc.status, "INVALID_ARGUMENT")
             raise
         except Exception as exc:
-            status, details = to_status(exc)
-            count.code = status.name
-            if status == grpc.StatusCode.INTERNAL:
-                log.exception("v2 infer on model %r failed: %s", count.model, details)
+            status, details = counted_failure(count, exc, log, f"v2 infer on model {count.model!r}")
             return error_response(status, details, getattr(exc, "retry_after_s", None))
         finally:
             count.done()

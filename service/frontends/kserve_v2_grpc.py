@@ -40,6 +40,7 @@ from ..registry import ModelRegistry
 from . import oip_codec as oip
 from . import repository_codec as repo
 from .grpc_transport import deadline, register, rpc
+from .messages import oneof_values
 
 SERVICE_NAME = "inference.GRPCInferenceService"
 # Probe RPCs: open like grpc.health.v1 unless auth_health (method-name prefixes for the token interceptor).
@@ -173,14 +174,7 @@ class GRPCInferenceServicer:
 
 def _parameters(params: Any, what: str) -> dict[str, Any]:
     """A protobuf ``map<string, InferParameter>`` as plain Python values."""
-    out: dict[str, Any] = {}
-    for name, p in params.items():
-        kind = p.WhichOneof("parameter_choice")
-        if kind is None:
-            raise InvalidArgument(f"{what} {shown(name)} has no value; set one of bool_param, int64_param, "
-                                  f"uint64_param, double_param, string_param")
-        out[name] = getattr(p, kind)
-    return out
+    return oneof_values(params, what, "bool_param, int64_param, uint64_param, double_param, string_param")
 
 
 def _inputs(request: Any, model: str, limit: int | None) -> list[oip.Tensor]:

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from google.protobuf.message import DecodeError
 
-from ..errors import InvalidArgument, ResourceExhausted
+from ..errors import InvalidArgument, ResourceExhausted, shown
 
 log = logging.getLogger(__name__)
 
@@ -84,3 +84,19 @@ def check_message_size(message: Any, limit: int, what: str) -> None:
             f"or shorter texts, ask for less per text (fewer hypotheses or alignments; entities: a coarser "
             f"aggregation_strategy or more ignore_labels), or raise the limit in the server config"
         )
+
+
+def oneof_values(params: Any, what: str, choices: str) -> dict[str, Any]:
+    """A protobuf ``map<string, P>`` whose ``P`` holds its value in the oneof ``parameter_choice`` (KServe v2's
+    ``InferParameter``, Triton's ``ModelRepositoryParameter``) as plain Python values.
+
+    Raises:
+        InvalidArgument: an entry with no value set (names ``what`` and the key, and lists ``choices``).
+    """
+    out: dict[str, Any] = {}
+    for key, p in params.items():
+        kind = p.WhichOneof("parameter_choice")
+        if kind is None:
+            raise InvalidArgument(f"{what} {shown(key)} has no value; set one of {choices}")
+        out[key] = getattr(p, kind)
+    return out

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Protocol, Sequence
 
 from ..config.schema import NAME_RE
 from ..errors import FailedPrecondition, InvalidArgument, shown
+from .messages import oneof_values
 
 # the metrics task label of the three calls (relserve_requests_total{task="repository"})
 REPOSITORY_TASK = "repository"
@@ -145,14 +146,7 @@ def grpc_parameters(params: Mapping[str, Any]) -> dict[str, object]:
     Raises:
         InvalidArgument: a parameter with no value set (names it).
     """
-    out: dict[str, object] = {}
-    for key, p in params.items():
-        kind = p.WhichOneof("parameter_choice")
-        if kind is None:
-            raise InvalidArgument(f"parameter {shown(key)} has no value; set one of bool_param, int64_param, "
-                                  f"string_param, bytes_param")
-        out[key] = getattr(p, kind)
-    return out
+    return oneof_values(params, "parameter", "bool_param, int64_param, string_param, bytes_param")
 
 
 def json_parameters(body: Mapping[str, Any]) -> dict[str, object]:
