@@ -349,6 +349,27 @@ def _graph_capture() -> bool:
     return bool(torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.compiler.is_exporting())
 
 
+def mask_keys_(bias: torch.Tensor, key_mask: torch.Tensor, neg: float) -> torch.Tensor:
+    """Set ``bias[b, ..., j] = neg`` for every key j that ``key_mask[b, 0, 0, j]`` masks, in place, so padded
+    keys get exactly zero attention weight. bias Float[B, n | 1, T | 1, T], key_mask Bool[B, 1, 1, T] (True =
+    attend); returns ``bias``.
+
+    The same as ``torch.where(key_mask, bias, neg)`` without a new [B, n, T, T] tensor, and without a pass over it
+    when nothing is padded or the padding is on the right (the usual batch): then only the padded columns are
+    written."""
+    B, T = key_mask.shape[0], key_mask.shape[-1]
+    km = key_mask.reshape(B, T)
+    lengths = km.sum(1)
+    if bool((lengths == T).all()):
+        return bias
+    if torch.equal(km, torch.arange(T, device=km.device)[None, :] < lengths[:, None]):
+        for b, n in enumerate(lengths.tolist()):
+            if n < T:
+                bias[b, ..., n:] = neg
+        return bias
+    return bias.masked_fill_(~key_mask, neg)
+
+
 def set_unpadded(model: nn.Module, enabled: bool) -> int:
     """Switch unpadded execution on or off for every :class:`DebertaModel` inside ``model``; returns how many
     were set (0: the model has no DeBERTa encoder, nothing changes)."""
@@ -531,7 +552,12 @@ class DisentangledSelfAttention(nn.Module):
         neg = torch.finfo(q.dtype).min
         if bias is None:
             bias = torch.zeros(key_mask.shape, dtype=q.dtype, device=q.device)  # [B, 1, 1, T]
-        bias = torch.where(key_mask, bias, neg)  # padded keys get exactly zero weight; [B, n | 1, T | 1, T]
+        owned = not (bias is (rel.position_bias if rel is not None else None) or _graph_capture()
+                     or torch.is_grad_enabled())
+        if owned:
+            mask_keys_(bias, key_mask, neg)  # this layer's own [B, n, T, T] (or zeros): in place
+        else:
+            bias = torch.where(key_mask, bias, neg)  # shared by every layer (T5), traced or trained: a new tensor
         ctx = F.scaled_dot_product_attention(
             q,
             k,
@@ -574,13 +600,21 @@ class DebertaAttention(nn.Module):
 
 
 class DebertaIntermediate(nn.Module):
+    """dense + activation (HF ``intermediate``). ``fusable_activation``: F.gelu's ``approximate`` when the activation
+    is a GELU that :func:`relserve.models.onednn.set_onednn_linear` can fuse into ``dense``; while
+    ``fused_activation`` is set, ``dense`` applies it."""
+
+    fused_activation = False
+
     def __init__(self, config: DebertaConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
         self.act = activation(config.hidden_act)
+        self.fusable_activation = {F.gelu: "none", _gelu_tanh: "tanh"}.get(self.act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.dense(x))  # [B, T, I]
+        h = self.dense(x)  # [B, T, I]
+        return h if self.fused_activation else self.act(h)
 
 
 class DebertaOutput(nn.Module):

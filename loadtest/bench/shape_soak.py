@@ -29,6 +29,8 @@ from ..serverproc import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
 MB = 1e6
+GROWTH_TARGET_MB = 200   # issue "bounded memory": every worker within this of its RSS after the warm requests
+PEAK_TARGET_MB = 2000    # ... and the server with its workers never above this during the soak
 # one WordPiece token each in the default models' vocabulary (lower-case English words)
 WORDS = ("the good bad movie was not very great and it is a film of this that but so time story love "
          "best worst really like one all".split())
@@ -63,8 +65,12 @@ def requests(n: int, seed: int, max_texts: int, max_tokens: int) -> list[list[st
     return out
 
 
-def soak(srv: ServerProcess, reqs: list[list[str]], warm: int, clients: int, sample_s: float) -> dict[str, Any]:
-    """Send ``reqs`` (``clients`` at a time); the RSS after ``warm`` requests and at the end, and the peak."""
+def soak(srv: ServerProcess, reqs: list[list[str]], warm: int, clients: int, sample_s: float,
+         progress: int = 0) -> dict[str, Any]:
+    """Send ``reqs`` (``clients`` at a time); the RSS after ``warm`` requests and at the end, and the peak.
+
+    ``progress`` > 0 prints the count, the failures, the RSS now and the peak so far every ``progress`` requests
+    (a soak of hours shows its curve while it runs, and a cut-off run still leaves its figures)."""
     import grpc
 
     from relserve.service._proto import inference_pb2 as pb
@@ -94,10 +100,14 @@ def soak(srv: ServerProcess, reqs: list[list[str]], warm: int, clients: int, sam
                 failed += 1
         with lock:
             done += 1
+            now_done = done
             if done == warm:
                 result["at_warm"] = snapshot(srv.pid)
                 result["warm_time"] = time.monotonic()
                 warm_seen.set()
+        if progress and now_done % progress == 0:
+            print(f"  {now_done} requests, {time.monotonic() - t0:.0f} s, {failed} failed: "
+                  f"{_fmt(snapshot(srv.pid))}; peak so far {result['peak_total'] / MB:.0f} MB", flush=True)
 
     threading.Thread(target=sampler, daemon=True).start()
     t0 = time.monotonic()
@@ -140,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=512, help="tokens per text: 1..this (default 512)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sample-s", type=float, default=0.25, help="seconds between RSS samples (the peak)")
+    ap.add_argument("--progress", type=int, default=500, help="print memory every this many requests (0: never)")
     ap.add_argument("--backend", choices=("torch", "onnx"),
                     help="serve only sentiment, on this backend (default: the default server, every default model)")
     ap.add_argument("--compare", action="store_true",
@@ -163,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, extra in variants:
         with ServerProcess([*extra, "--drain-timeout", "5"], start_timeout=600) as srv:
             print(f"[{name}] serving; after start: {_fmt(snapshot(srv.pid))}", flush=True)
-            res = soak(srv, reqs, min(args.warm, len(reqs)), args.clients, args.sample_s)
+            res = soak(srv, reqs, min(args.warm, len(reqs)), args.clients, args.sample_s, args.progress)
         rows.append((name, res))
         print(f"[{name}] after {args.warm} requests: {_fmt(res['at_warm'])}")
         print(f"[{name}] at the end ({res['requests']} requests, {res['failed']} failed): {_fmt(res['at_end'])}")
@@ -171,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.warm}: {_growth(res):+.0f} MB; {res['req_per_s']:.2f} requests/s, "
               f"{res['texts_per_s']:.1f} texts/s ({res['texts_per_s_after_warm']:.1f} after the warm snapshot)",
               flush=True)
+        growth, peak = _growth(res), res["peak_total"] / MB
+        print(f"[{name}] targets: every worker within {GROWTH_TARGET_MB} MB of its RSS at request {args.warm} "
+              f"({growth:+.0f}) {'PASS' if growth <= GROWTH_TARGET_MB else 'MISS'}; server in all never above "
+              f"{PEAK_TARGET_MB} MB ({peak:.0f}) {'PASS' if peak <= PEAK_TARGET_MB else 'MISS'}; "
+              f"no failed call ({res['failed']}) {'PASS' if res['failed'] == 0 else 'MISS'}", flush=True)
     if len(rows) == 2:
         (a, ra), (b, rb) = rows
         print(f"side by side ({a} -> {b}): peak total {ra['peak_total'] / MB:.0f} -> {rb['peak_total'] / MB:.0f} MB, "

@@ -13,6 +13,7 @@ import torch
 
 from relserve.models.checkpoint import load_checkpoint
 from relserve.models.deberta import set_unpadded
+from relserve.models.onednn import set_onednn_linear
 
 from ..config import ModelConfig, check_dtype_for_device
 from ..errors import ConfigError
@@ -73,6 +74,10 @@ class TorchBackend(EncoderBackendDefaults):
         if set_unpadded(self.model, self.config.torch_unpadded):
             log.info("model %r: DeBERTa unpadded execution %s (torch_unpadded)", self.config.name,
                      "on" if self.config.torch_unpadded else "off")
+        if self.device == "cpu":  # float32 dense layers off MKL's generic sgemm (bfloat16 runs oneDNN already)
+            n = set_onednn_linear(self.model, self.config.torch_onednn)
+            log.info("model %r: %d dense layers through oneDNN (torch_onednn %s)", self.config.name, n,
+                     "on" if self.config.torch_onednn else "off")
         # a long QA batch can hand the cores to another model (or shrink to its share) between sub-layers
         add_yield_points(self.model, lambda: self._budget, threads=self.config.torch_intra_op_threads)
         self._pad_id = int(getattr(tok, "pad_token_id", 0) or 0)

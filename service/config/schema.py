@@ -340,6 +340,11 @@ class ModelConfig:
         True,
         "torch backend, DeBERTa: batches with padding run the dense layers on the real tokens only (attention "
         "core padded; models/deberta.py); false: padded")
+    torch_onednn: bool = key(
+        True,
+        "torch backend on CPU, float32: dense layers (nn.Linear, the feed-forward's GELU fused) run through "
+        "oneDNN's inner product instead of MKL's sgemm, which takes a slow generic path on AMD processors "
+        "(models/onednn.py); false: torch's nn.Linear")
     heap_trim_mb: int = key(
         64,
         "torch backend: after a batch that leaves its process this many MiB above its resident size after the last "

@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from fixtures.deberta import make_deberta_checkpoint  # noqa: E402
 from relserve.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
 from relserve.models.deberta import DebertaConfig  # noqa: E402
+from relserve.models.onednn import set_onednn_linear  # noqa: E402
 from relserve.models.relative_position import build_relative_position  # noqa: E402
 from transformers import DebertaV2Config, DebertaV2ForQuestionAnswering  # noqa: E402
 
@@ -46,6 +47,8 @@ def _pair(name: str, task: str, tmp_path_factory):
                                        oracle=True, vocab_size=VOCAB, labels=3, init="spread",
                                        seed=list(CONFIGS).index(name) * 10 + TASKS.index(task), **overrides)
         ours = load_checkpoint(tiny.path, load_tokenizer=False)
+        # as the torch backend serves on CPU: dense layers through oneDNN (tests/models/test_onednn.py: off == on)
+        assert set_onednn_linear(ours.model, True) > 0
         _CACHE[key] = (tiny.model, ours, tiny.path)
     return _CACHE[key]
 

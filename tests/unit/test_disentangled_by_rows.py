@@ -1,7 +1,8 @@
-"""models/relative_position.py: the CPU kernels of the disentangled-attention custom op (strided views where the
-table index is linear in the distance, advanced indexing on the flattened scores otherwise) give the reference's
-numbers bit for bit (float32 and bfloat16, c2p / p2c / both, whole table and centred window, Tq != Tk), and the op
-dispatches to them on CPU."""
+"""models/relative_position.py: the CPU kernels of the disentangled-attention custom op. Strided views where the
+table index is linear in the distance and advanced indexing on the flattened scores give the reference's numbers bit
+for bit (float32 and bfloat16, c2p / p2c / both, whole table and centred window, Tq != Tk); the diagonal kernel
+(self-attention: the table row depends on the distance only) gives them within rounding (its scale rides on the
+table) and is what the op runs on CPU for square blocks; the in-place key mask equals ``torch.where``."""
 
 from __future__ import annotations
 
@@ -34,12 +35,18 @@ def test_by_rows_is_the_reference_bit_for_bit(seed, dtype):
     got = rp.disentangled_attention_bias_by_rows(*args)
     assert got.shape == (B, n, Tq, Tk) and got.dtype == dtype
     assert torch.equal(got, want)
-    with torch.inference_mode():  # the custom op (no grad) runs the CPU kernel
-        assert torch.equal(rp.disentangled_attention_bias(*args[:5], att_span=span, scale=args[6], c2p=c2p,
-                                                          p2c=p2c), want)
+    with torch.inference_mode():  # the custom op (no grad) runs the CPU kernel: the diagonal one where square
+        torch.testing.assert_close(rp.disentangled_attention_bias(*args[:5], att_span=span, scale=args[6], c2p=c2p,
+                                                                  p2c=p2c), want, **_tol(dtype))
 
 
-@pytest.mark.parametrize("kernel", ["reference", "by_rows", "by_shift"])
+def _tol(dtype) -> dict[str, float]:
+    """Rounding of a scale applied before the sum instead of after: float32's last bits, bfloat16's 8-bit mantissa
+    (one rounding step of each term, values up to ~20)."""
+    return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=6e-2)
+
+
+@pytest.mark.parametrize("kernel", ["reference", "by_rows", "by_shift", "by_diagonals"])
 def test_every_kernel_refuses_the_same_calls(kernel):
     fn = getattr(rp, f"disentangled_attention_bias_{kernel}")
     q = torch.zeros(1, 1, 2, 2)
@@ -54,7 +61,7 @@ def _case(seed: int, dtype, T: int | None = None):
     g = torch.Generator().manual_seed(seed)
     B, n, d = 1 + seed % 3, 1 + (seed * 5) % 4, 4 + seed % 13
     Tq = T or int(torch.randint(1, 300, (1,), generator=g))
-    Tk = Tq if seed % 3 else int(torch.randint(1, 300, (1,), generator=g))
+    Tk = Tq if (seed % 3 or T) else int(torch.randint(1, 300, (1,), generator=g))  # T given: self-attention
     buckets, max_pos = [(256, 512), (32, 128), (-1, 64), (16, 40), (-1, 512)][seed % 5]
     span = buckets if buckets > 0 else max_pos
     c2p, p2c = [(True, True), (True, False), (False, True)][seed % 3]
@@ -85,26 +92,87 @@ def test_by_shift_is_the_reference_bit_for_bit_where_the_index_is_linear(dtype):
     assert 15 <= shifted <= 55  # both kinds of case were drawn
 
 
-def test_the_op_takes_the_shift_for_short_sequences_and_the_rows_kernel_beyond(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_by_diagonals_is_the_reference_wherever_the_block_is_square(dtype):
+    square = 0
+    for seed in range(60):
+        args, R = _case(seed, dtype)
+        Tq, Tk = args[0].shape[2], args[1].shape[2]
+        with torch.inference_mode():
+            got = rp.disentangled_attention_bias_by_diagonals(*args)
+        assert (got is not None) == (Tq == Tk), seed  # buckets and clamps included: only Tq != Tk falls back
+        if got is None:
+            continue
+        square += 1
+        want = rp.disentangled_attention_bias_reference(*args)
+        assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
+        torch.testing.assert_close(got, want, **_tol(dtype))
+    assert 30 <= square <= 50
+
+
+def test_by_diagonals_refuses_an_index_that_is_not_constant_along_diagonals():
+    args, R = _case(0, torch.float32, T=6)
+    idx = rp._relative_index(args[4], args[5], R)
+    assert rp._diagonal_rows(idx) is not None
+    bent = args[4].clone()
+    bent[2, 4] += 1  # one entry off its diagonal
+    assert rp._diagonal_rows(rp._relative_index(bent, args[5], R)) is None
+    assert rp.disentangled_attention_bias_by_diagonals(*args[:4], bent, *args[5:]) is None
+    assert rp._diagonal_rows(idx[None]) is None and rp._diagonal_rows(idx[:0, :0]) is None
+
+
+def test_the_op_takes_the_diagonals_for_self_attention_and_the_older_kernels_otherwise(monkeypatch):
+    from relserve.models import onednn
+
     calls = []
-    by_rows, by_shift = rp.disentangled_attention_bias_by_rows, rp.disentangled_attention_bias_by_shift
-    monkeypatch.setattr(rp, "disentangled_attention_bias_by_rows", lambda *a: calls.append("rows") or by_rows(*a))
-    monkeypatch.setattr(rp, "disentangled_attention_bias_by_shift",
-                        lambda *a: calls.append("shift") or by_shift(*a))
+    for name in ("by_rows", "by_shift", "by_diagonals"):
+        fn = getattr(rp, f"disentangled_attention_bias_{name}")
+        monkeypatch.setattr(rp, f"disentangled_attention_bias_{name}",
+                            lambda *a, _n=name, _f=fn: calls.append(_n) or _f(*a))
+    heads = onednn.head_products
+    monkeypatch.setattr(onednn, "head_products", lambda *a: calls.append("onednn") or heads(*a))
     with torch.inference_mode():
-        for T in (5, 128, 132, 133, 300):
-            args, _ = _case(0, torch.float32, T=T)  # seed 0: 256 buckets, c2p and p2c, centred window
+        for T in (5, 128, 133, 300):
+            for dtype in (torch.float32, torch.bfloat16):
+                args, _ = _case(0, dtype, T=T)  # seed 0: 256 buckets, c2p and p2c, centred window
+                calls.clear()
+                out = rp.disentangled_attention_bias(*args[:5], att_span=args[5], scale=args[6], c2p=args[7],
+                                                     p2c=args[8])
+                torch.testing.assert_close(out, rp.disentangled_attention_bias_reference(*args), **_tol(dtype))
+                # float32 runs the per-head products through oneDNN (where this torch has it); bfloat16 one matmul
+                fp32_onednn = dtype == torch.float32 and onednn.available()
+                assert calls == ["by_diagonals"] + ["onednn"] * (2 if fp32_onednn else 0), (T, dtype)
+        # Tq != Tk (no diagonal kernel): strided views where the index is linear, else float32's gather or
+        # bfloat16's advanced indexing, bit for bit
+        for seed, dtype in ((3, torch.float32), (3, torch.bfloat16), (6, torch.bfloat16)):
+            args, _ = _case(seed, dtype)
+            assert args[0].shape[2] != args[1].shape[2]
             calls.clear()
             out = rp.disentangled_attention_bias(*args[:5], att_span=args[5], scale=args[6], c2p=args[7], p2c=args[8])
             assert torch.equal(out, rp.disentangled_attention_bias_reference(*args))
-            # up to 132 tokens every distance (<= 131) keeps a bucket equal to it: a strided view; beyond, float32
-            # takes the reference's gather (no rows call), bfloat16 the advanced indexing
-            assert calls == ["shift"], T
-            args, _ = _case(0, torch.bfloat16, T=T)
-            calls.clear()
-            out = rp.disentangled_attention_bias(*args[:5], att_span=args[5], scale=args[6], c2p=args[7], p2c=args[8])
-            assert torch.equal(out, rp.disentangled_attention_bias_reference(*args))
-            assert calls == (["shift"] if T <= 132 else ["shift", "rows"]), T
+            assert calls[:2] == ["by_diagonals", "by_shift"] and set(calls[2:]) <= {"by_rows"}, (seed, calls)
+
+
+def test_mask_keys_in_place_equals_torch_where():
+    from relserve.models.deberta import mask_keys_
+
+    g = torch.Generator().manual_seed(0)
+    B, n, T = 3, 2, 6
+    for pattern in ("none", "right", "left", "holes"):
+        km = torch.ones(B, T, dtype=torch.bool)
+        if pattern == "right":
+            km[1, 4:] = False
+            km[2, 1:] = False
+        elif pattern == "left":
+            km[0, :2] = False
+        elif pattern == "holes":
+            km[2, 1] = km[2, 3] = False
+        key_mask = km[:, None, None, :]
+        for shape in ((B, n, T, T), (B, 1, 1, T)):
+            bias = torch.randn(*shape, generator=g)
+            want = torch.where(key_mask, bias, -1e30)
+            got = mask_keys_(bias, key_mask, -1e30)
+            assert got is bias and torch.equal(got, want), (pattern, shape)
 
 
 def test_the_op_answers_empty_single_row_and_batched_index_inputs_as_the_reference():
