@@ -356,7 +356,14 @@ def mask_keys_(bias: torch.Tensor, key_mask: torch.Tensor, neg: float) -> torch.
 
     The same as ``torch.where(key_mask, bias, neg)`` without a new [B, n, T, T] tensor, and without a pass over it
     when nothing is padded or the padding is on the right (the usual batch): then only the padded columns are
-    written."""
+    written.
+
+    Raises:
+        ValueError: ``bias`` is an expanded view (a zero stride over more than one element): writing one row
+            would write them all.
+    """
+    if any(st == 0 and size > 1 for st, size in zip(bias.stride(), bias.shape)):
+        raise ValueError(f"mask_keys_: bias {tuple(bias.shape)} is an expanded view (strides {bias.stride()})")
     B, T = key_mask.shape[0], key_mask.shape[-1]
     km = key_mask.reshape(B, T)
     lengths = km.sum(1)

@@ -48,6 +48,12 @@ def _graph_capture() -> bool:
     return bool(torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.compiler.is_exporting())
 
 
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records this call: the op has no backward, so then ``F.linear`` runs (a frozen weight with
+    a trainable bias, as in bias-only tuning, included)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 class OneDnnLinear(nn.Linear):
     """``nn.Linear`` whose inference forward on CPU runs oneDNN's inner product, optionally with GELU fused.
 
@@ -61,8 +67,7 @@ class OneDnnLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if (x.device.type == "cpu" and x.dtype in DTYPES and w.dtype == x.dtype and w.device.type == "cpu"
-                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-                and not _graph_capture()):
+                and not _needs_grad(x, w, self.bias) and not _graph_capture()):
             if self.gelu is None:
                 return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, "none", [], "")
             return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, "gelu", [], GELU_ALGORITHMS[self.gelu])
@@ -82,7 +87,8 @@ def set_onednn_linear(model: nn.Module, enabled: bool) -> int:
     on = bool(enabled) and available()
     for m in model.modules():
         approx = getattr(m, "fusable_activation", None)
-        if approx in GELU_ALGORITHMS and isinstance(getattr(m, "dense", None), nn.Linear):
+        # only layers this function swaps can fuse (a subclass of nn.Linear keeps its own forward)
+        if approx in GELU_ALGORITHMS and type(getattr(m, "dense", None)) in (nn.Linear, OneDnnLinear):
             m.fused_activation = on
             m.dense.gelu = approx if on else None
     n = 0
@@ -96,10 +102,11 @@ def set_onednn_linear(model: nn.Module, enabled: bool) -> int:
     return n
 
 
-def runs_on_onednn(x: torch.Tensor) -> bool:
-    """Whether :func:`head_products` takes oneDNN's path for ``x`` (float32 on CPU, no autograd, no capture)."""
-    return (x.device.type == "cpu" and x.dtype in DTYPES and available()
-            and not (torch.is_grad_enabled() and x.requires_grad) and not _graph_capture())
+def runs_on_onednn(*tensors: torch.Tensor) -> bool:
+    """Whether :func:`head_products` takes oneDNN's path for these tensors (all float32 on CPU, none recorded by
+    autograd, no graph capture)."""
+    return (all(t.device.type == "cpu" and t.dtype in DTYPES for t in tensors) and available()
+            and not _needs_grad(*tensors) and not _graph_capture())
 
 
 def head_products(x: torch.Tensor, table: torch.Tensor) -> list[torch.Tensor]:
@@ -113,8 +120,9 @@ def head_products(x: torch.Tensor, table: torch.Tensor) -> list[torch.Tensor]:
     B, n, T, d = x.shape
     if table.dim() != 3 or table.shape[0] != n or table.shape[2] != d:
         raise ValueError(f"head_products: x {tuple(x.shape)} and table {tuple(table.shape)} disagree")
-    if not runs_on_onednn(x) or table.dtype != x.dtype:
+    if not runs_on_onednn(x, table):
         raise ValueError(f"head_products: {x.dtype} on {x.device} (table {table.dtype}) is not oneDNN's path")
     op = torch.ops.mkldnn._linear_pointwise
+    M = table.shape[1]
     # x[:, h] of the usual [B, T, n, d] -> [B, n, T, d] transpose is one matrix of B·T rows (row stride n·d)
-    return [op(x[:, h].reshape(B * T, d), table[h], None, "none", [], "").view(B, T, -1) for h in range(n)]
+    return [op(x[:, h].reshape(B * T, d), table[h], None, "none", [], "").view(B, T, M) for h in range(n)]

@@ -284,14 +284,17 @@ def disentangled_attention_bias_by_diagonals(
         tables.append((query_layer, pos_key.index_select(-2, g.flip(0)) * scale, (M - 1, 1)))
     if p2c:
         tables.append((key_layer, pos_query.index_select(-2, g) * scale, (1, M - 1)))
-    if not onednn.runs_on_onednn(query_layer):  # one batched matmul per term (heads as its batch), one sum
+    if not onednn.runs_on_onednn(*(t for x, table, _ in tables for t in (x, table))):
+        # one batched matmul per term (heads as its batch), one sum
         views = []
         for x, table, (si, sj) in tables:
             # [B, n, T, d] -> [n, B·T, d] is a view for heads split by view + transpose (else reshape copies);
             # one GEMM of B·T rows per head beats matmul's broadcast over [B, n] (bf16 1.1-3.4x, 8 x 24-512)
-            s = torch.bmm(x.transpose(0, 1).reshape(n, B * T, -1), table.transpose(-1, -2))  # [n, B·T, M]
+            s = torch.bmm(x.transpose(0, 1).reshape(n, B * T, x.shape[-1]), table.transpose(-1, -2))  # [n, B·T, M]
             views.append(s.as_strided((B, n, T, T), (T * M, B * T * M, si, sj), s.storage_offset() + T - 1))
-        bias = query_layer.new_empty((B, n, T, T))
+        if _needs_grad(*(t for x, table, _ in tables for t in (x, table))):  # out= records no gradient
+            return ((views[0] + views[1]) if len(views) == 2 else views[0]).contiguous()
+        bias = query_layer.new_empty((B, n, T, T))  # the usual layout (a plain sum would follow the head-major one)
         return torch.add(views[0], views[1], out=bias) if len(views) == 2 else bias.copy_(views[0])
     per_head = []  # per term, per head: the [B, T, T] view of its [B, T, M] product
     for x, table, (si, sj) in tables:

@@ -153,3 +153,50 @@ def test_parity_with_transformers_through_onednn_at_served_lengths(tmp_path):
     with torch.inference_mode():
         got = ours(ids, mask)
     assert (got - want).abs().max().item() <= 1e-4
+
+
+def test_a_frozen_weight_with_a_trainable_bias_still_gets_its_gradient():
+    """A fresh tester's case: bias-only tuning (frozen weights, inputs without grad) took oneDNN's op, which has no
+    backward, and the bias got no gradient."""
+    model, ref = _mlp(4), _mlp(4)
+    onednn.set_onednn_linear(model, True)
+    for m in (model, ref):
+        for name, p in m.named_parameters():
+            p.requires_grad_(name.endswith("bias"))
+    x = torch.randn(5, 16)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    assert model[0].bias.grad is not None and torch.equal(model[0].bias.grad, ref[0].bias.grad)
+
+
+def test_a_subclassed_dense_layer_keeps_its_activation():
+    """set_onednn_linear swaps exactly nn.Linear; a subclass (an adapter wrapper, say) keeps its forward, so the
+    module around it must keep applying its GELU."""
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    cfg = DebertaConfig(vocab_size=11, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=24, hidden_act="gelu")
+    torch.manual_seed(5)
+    ffn = DebertaIntermediate(cfg).eval()
+    dense = Scaled(16, 24)
+    dense.load_state_dict(ffn.dense.state_dict())
+    ffn.dense = dense
+    x = torch.randn(3, 16) * 3
+    with torch.inference_mode():
+        want = ffn(x)
+    assert onednn.set_onednn_linear(ffn, True) == 0
+    assert not ffn.fused_activation
+    with torch.inference_mode():
+        assert torch.equal(ffn(x), want)
+
+
+def test_an_empty_batch_gives_an_empty_answer(tmp_path):
+    tiny = make_deberta_checkpoint(tmp_path / "v3", vocab_size=97, labels=3, seed=6)
+    model = load_checkpoint(tiny.path, load_tokenizer=False).model
+    onednn.set_onednn_linear(model, True)
+    ids, mask = torch.zeros(0, 9, dtype=torch.long), torch.zeros(0, 9, dtype=torch.long)
+    with torch.inference_mode():
+        assert model(ids, mask).shape == (0, 3)
+        assert to_bfloat16(model)(ids, mask).shape == (0, 3)

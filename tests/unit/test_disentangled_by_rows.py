@@ -153,6 +153,33 @@ def test_the_op_takes_the_diagonals_for_self_attention_and_the_older_kernels_oth
             assert calls[:2] == ["by_diagonals", "by_shift"] and set(calls[2:]) <= {"by_rows"}, (seed, calls)
 
 
+def test_by_diagonals_called_with_gradients_gives_the_references():
+    """Outside inference the kernel must stay differentiable (no out= sum, no oneDNN op)."""
+    for seed, dtype in ((1, torch.float32), (2, torch.float32)):
+        args, _ = _case(seed, dtype, T=9)
+        leaves = [a.clone().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                  for a in args]
+        got = rp.disentangled_attention_bias_by_diagonals(*leaves)
+        want_leaves = [a.detach().clone().requires_grad_(True) if isinstance(a, torch.Tensor) and a.requires_grad
+                       else a for a in leaves]
+        want = rp.disentangled_attention_bias_reference(*want_leaves)
+        weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(seed))
+        (got * weights).sum().backward()
+        (want * weights).sum().backward()
+        for a, b in zip(leaves, want_leaves):
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_an_empty_batch_gives_an_empty_bias():
+    for dtype in (torch.float32, torch.bfloat16):
+        args, _ = _case(0, dtype, T=5)
+        args = (args[0][:0], args[1][:0], *args[2:])
+        with torch.inference_mode():
+            out = rp.disentangled_attention_bias(*args[:5], att_span=args[5], scale=args[6], c2p=args[7], p2c=args[8])
+        assert out.shape == (0, args[0].shape[1], 5, 5)
+
+
 def test_mask_keys_in_place_equals_torch_where():
     from relserve.models.deberta import mask_keys_
 
@@ -173,6 +200,8 @@ def test_mask_keys_in_place_equals_torch_where():
             want = torch.where(key_mask, bias, -1e30)
             got = mask_keys_(bias, key_mask, -1e30)
             assert got is bias and torch.equal(got, want), (pattern, shape)
+    with pytest.raises(ValueError, match="expanded view"):  # one row written would be every row
+        mask_keys_(torch.zeros(1, n, T, T).expand(B, n, T, T), key_mask, -1e30)
 
 
 def test_the_op_answers_empty_single_row_and_batched_index_inputs_as_the_reference():
