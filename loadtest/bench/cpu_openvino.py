@@ -61,17 +61,20 @@ def cpu_flags() -> list[str]:
 
 class Ours:
     """relserve's offline paths over one checkpoint, set as the torch backend sets them on CPU (unpadded, oneDNN
-    dense layers): fp32 and its bfloat16 copy; the transformers model
+    dense layers, large blocks kept on the heap; no heap trim between batches, as OpenVINO keeps its memory too):
+    fp32 and its bfloat16 copy; the transformers model
     of the same weights is kept for the fp32 parity column."""
 
     def __init__(self, hf: Any, ours: Any) -> None:
         from relserve.models.deberta import set_unpadded
         from relserve.models.onednn import set_onednn_linear
+        from relserve.service.backends.heap import keep_freed_blocks
         from relserve.service.backends.precision import to_bfloat16
 
         self.hf = hf
         set_unpadded(ours, True)
         set_onednn_linear(ours, True)  # the torch backend's default on CPU (torch_onednn)
+        keep_freed_blocks()  # as the torch backend's load does on CPU (large blocks reused from the heap)
         self.models = {"relserve_fp32": ours, "relserve_bf16": to_bfloat16(ours)}
 
     def run(self, path: str, ids: torch.Tensor, mask: torch.Tensor) -> np.ndarray:

@@ -20,7 +20,7 @@ from ..errors import ConfigError
 from .base import (TASK_CLASSIFICATION, TASK_QA, TASK_TOKEN_CLASSIFICATION, UNBUDGETED, CallBudget,
                    EncoderBackendDefaults, ModelMeta)
 from . import precision
-from .heap import HeapBound
+from .heap import HeapBound, keep_freed_blocks
 from .padding import WarmupEncoding, pad_batch, probe_encodings
 from .torch_device import (DTYPES, bound_kernel_caches, cuda_memory_stats, release_cuda_cache, resolve_device,
                            use_threads)
@@ -59,6 +59,8 @@ class TorchBackend(EncoderBackendDefaults):
         self.device = resolve_device(self.config.name, self.config.device)
         check_dtype_for_device(self.config.name, self.config.dtype, self.device)
         self.plan = precision.plan(self.config, self.device)
+        if self.device == "cpu":  # large activations reused from the heap, not mapped afresh per layer
+            keep_freed_blocks()
         if self.device == "cpu" and self.config.heap_trim_mb > 0:  # before the first forward (warm-up, the gate)
             capped = bound_kernel_caches()
             if capped:

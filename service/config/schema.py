@@ -342,9 +342,9 @@ class ModelConfig:
         "core padded; models/deberta.py); false: padded")
     torch_onednn: bool = key(
         True,
-        "torch backend on CPU, float32: dense layers (nn.Linear, the feed-forward's GELU fused) run through "
-        "oneDNN's inner product instead of MKL's sgemm, which takes a slow generic path on AMD processors "
-        "(models/onednn.py); false: torch's nn.Linear")
+        "torch backend on CPU: dense layers (nn.Linear, the feed-forward's GELU fused) call oneDNN's inner product: "
+        "float32 leaves MKL's sgemm, which takes a slow generic path on AMD processors, bfloat16 gains the fused "
+        "GELU (models/onednn.py); false: torch's nn.Linear")
     heap_trim_mb: int = key(
         64,
         "torch backend: after a batch that leaves its process this many MiB above its resident size after the last "

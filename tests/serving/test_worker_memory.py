@@ -97,3 +97,35 @@ def test_heap_bound_trims_only_above_its_slack():
     held = np.ones(8 * MIB, dtype=np.uint8)  # 8 MiB resident above the reference
     assert tight.after_batch() and tight.trims == 2
     del held
+
+
+def test_large_blocks_stay_on_the_heap_until_trimmed():
+    """heap.keep_freed_blocks (what the torch backend sets on CPU): a freed 200 MB block stays resident for the next
+    batch instead of being unmapped at free (and mapped and zeroed again), and trim_heap still hands it back.
+    In a child process: the setting is process-wide."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, numpy as np\n"
+        "from relserve.service.backends import heap\n"
+        "def rss():\n"
+        "    return heap._own_resident_bytes() >> 20\n"
+        "if sys.argv[1] == 'keep':\n"
+        "    assert heap.keep_freed_blocks()\n"
+        "base = rss()\n"
+        "a = np.ones(200 << 18, dtype=np.float32)  # 200 MiB, touched\n"
+        "held = rss() - base\n"
+        "del a\n"
+        "after_free = rss() - base\n"
+        "heap.trim_heap()\n"
+        "print(held, after_free, rss() - base)\n"
+    )
+    out = {}
+    for mode in ("keep", "default"):
+        run = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        out[mode] = [int(x) for x in run.stdout.split()]
+    (held, kept, trimmed), (_, unmapped, _) = out["keep"], out["default"]
+    assert held >= 190 and kept >= 190 and trimmed < 50, out  # held after free, released by the trim
+    assert unmapped < 50, out  # glibc's default: a block this size is unmapped at free
