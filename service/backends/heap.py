@@ -48,8 +48,10 @@ def keep_freed_blocks() -> bool:
     and unmapped on ``free``, so each large activation of a long batch (the [B, n, T, 2T - 1] score products, the
     [B, n, T, T] bias) is page-faulted and zeroed again in every layer. Kept on the heap, the same 6 x 768
     classifier ran 8 x 384 tokens 1.2-1.4x faster (fp32 5.8-6.9 -> 8.3 seq/s, bf16 10.1-10.6 -> 13.3 on the
-    2-core AMD EPYC, taking turns). What the heap then holds is bounded as before: :class:`HeapBound` trims a
-    serving process once it is ``heap_trim_mb`` above its reference."""
+    2-core AMD EPYC, taking turns, no trim between batches). The torch encoder backend sets it in its own worker
+    process only, and only with ``heap_trim_mb`` > 0: :class:`HeapBound` then trims that process once it is
+    ``heap_trim_mb`` above its reference, so a batch whose activations exceed the slack is trimmed after it (and
+    the next such batch faults its pages in again, as without this setting); smaller working sets are reused."""
     name = ctypes.util.find_library("c")
     try:
         mallopt = ctypes.CDLL(name).mallopt

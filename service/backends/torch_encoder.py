@@ -36,6 +36,7 @@ class TorchBackend(EncoderBackendDefaults):
     is_padded = True
     max_batch_size: int | None = None
     can_probe = True
+    own_process = False  # set by the worker process that runs this backend alone (worker_child)
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
@@ -59,13 +60,16 @@ class TorchBackend(EncoderBackendDefaults):
         self.device = resolve_device(self.config.name, self.config.device)
         check_dtype_for_device(self.config.name, self.config.dtype, self.device)
         self.plan = precision.plan(self.config, self.device)
-        if self.device == "cpu":  # large activations reused from the heap, not mapped afresh per layer
-            keep_freed_blocks()
         if self.device == "cpu" and self.config.heap_trim_mb > 0:  # before the first forward (warm-up, the gate)
             capped = bound_kernel_caches()
             if capped:
                 log.info("model %r: torch CPU kernel caches capped (%s)", self.config.name,
                          ", ".join(f"{k}={v}" for k, v in capped.items()))
+            # a process of its own: large activations reused from its heap, which HeapBound keeps bounded (not the
+            # server's process, whose gRPC threads and in-process translation models no HeapBound watches)
+            if self.own_process and keep_freed_blocks():
+                log.info("model %r: large blocks kept on the worker's heap (trimmed above heap_trim_mb %d)",
+                         self.config.name, self.config.heap_trim_mb)
         self.dtype = DTYPES[self.plan.dtype]
         ckpt = load_checkpoint(self.config.path, device=self.device, dtype=self.dtype,
                                spm_normalization=self.config.spm_normalization)

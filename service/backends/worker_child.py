@@ -116,6 +116,7 @@ def child_main(conn: Any, config: ModelConfig, module: str, cls: str, log_level:
         try:
             if op == "load":
                 backend = getattr(importlib.import_module(module), cls)(dataclasses.replace(config, worker_process=False))
+                backend.own_process = True  # its heap holds this model's batches only (torch_encoder.load reads it)
                 meta = _without_tokenizer(backend.load())
                 value: Any = (meta, bool(backend.is_padded), backend.max_batch_size, bool(backend.can_probe))
             elif op == "warmup":

@@ -129,3 +129,27 @@ def test_large_blocks_stay_on_the_heap_until_trimmed():
     (held, kept, trimmed), (_, unmapped, _) = out["keep"], out["default"]
     assert held >= 190 and kept >= 190 and trimmed < 50, out  # held after free, released by the trim
     assert unmapped < 50, out  # glibc's default: a block this size is unmapped at free
+
+
+def test_only_a_worker_process_with_a_heap_bound_keeps_freed_blocks(checkpoint, caplog, capfd):
+    """keep_freed_blocks is process-wide: a torch encoder sets it in its own worker process (heap_trim_mb > 0),
+    never in the server's process (in-process backends) and not with heap_trim_mb 0 (glibc's defaults). The
+    worker logs to the stderr it inherits; the in-process backend to this process's loggers."""
+    import logging
+
+    said = "large blocks kept on the worker's heap"
+    cases = [(True, SLACK_MB, True), (True, 0, False), (False, SLACK_MB, False)]
+    for worker_process, slack, expected in cases:
+        caplog.clear()
+        capfd.readouterr()
+        with caplog.at_level(logging.INFO):  # the root level: a worker process logs at its parent's level
+            backend = create_backend(ModelConfig(name="m", path=checkpoint, device="cpu", dtype="float32",
+                                                 worker_process=worker_process, torch_intra_op_threads=1,
+                                                 heap_trim_mb=slack))
+            try:
+                backend.load()
+            finally:
+                backend.close()
+        logged = caplog.text + capfd.readouterr().err
+        assert "dense layers through oneDNN" in logged, logged[-2000:]  # the load's own lines were seen
+        assert (said in logged) is expected, (worker_process, slack, logged[-2000:])
