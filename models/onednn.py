@@ -13,9 +13,9 @@ that applies it declares it (``fusable_activation``). The switch takes effect on
 call: float32 or bfloat16 CPU tensors, no autograd, no graph capture (export and tracing see ``F.linear``);
 everywhere else the layer computes exactly what ``nn.Linear`` (and the unfused activation) does.
 
-:func:`head_products` is the same for the products of every head's queries (or keys) with that head's relative
-position table (disentangled attention's c2p / p2c scores): one inner product per head, where ``torch.matmul``
-of the [B, n, T, d] layout would run MKL's batched sgemm (1.5-3.3x slower per thread at 8 x 24-512 tokens).
+:func:`head_product` is the same for the product of one head's queries (or keys) with that head's relative
+position table (disentangled attention's c2p / p2c scores), where ``torch.matmul`` of the [B, n, T, d] layout
+would run MKL's batched sgemm (1.5-3.3x slower per thread at 8 x 24-512 tokens).
 """
 
 from __future__ import annotations
@@ -109,26 +109,22 @@ def set_onednn_linear(model: nn.Module, enabled: bool) -> int:
 
 
 def runs_on_onednn(*tensors: torch.Tensor) -> bool:
-    """Whether :func:`head_products` takes oneDNN's path for these tensors (all float32 on CPU, none recorded by
+    """Whether :func:`head_product` takes oneDNN's path for these tensors (all float32 on CPU, none recorded by
     autograd, no graph capture)."""
     return (all(t.device.type == "cpu" and t.dtype in HEAD_DTYPES for t in tensors) and available()
             and not _needs_grad(*tensors) and not _graph_capture())
 
 
-def head_products(x: torch.Tensor, table: torch.Tensor) -> list[torch.Tensor]:
-    """``x[:, h] @ table[h]ᵀ`` for every head h through oneDNN: x Float[B, n, T, d] (any strides), table
-    Float[n, M, d] of x's dtype -> n contiguous tensors Float[B, T, M]. For inference only (no autograd): callers
-    check :func:`runs_on_onednn` first and use ``torch.matmul`` otherwise.
+def head_product(rows: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``rows @ tableᵀ`` through oneDNN: rows Float[N, d] (any row stride), table Float[M, d] of the same dtype ->
+    Float[N, M], contiguous. One head's c2p or p2c scores (``rows``: that head's queries or keys of every
+    sequence). For inference only: callers check :func:`runs_on_onednn` first and use ``torch.mm`` otherwise.
 
     Raises:
-        ValueError: ``x`` and ``table`` disagree on heads or head size, or ``x`` is not on oneDNN's path.
+        ValueError: the shapes disagree, or the tensors are not on oneDNN's path.
     """
-    B, n, T, d = x.shape
-    if table.dim() != 3 or table.shape[0] != n or table.shape[2] != d:
-        raise ValueError(f"head_products: x {tuple(x.shape)} and table {tuple(table.shape)} disagree")
-    if not runs_on_onednn(x, table):
-        raise ValueError(f"head_products: {x.dtype} on {x.device} (table {table.dtype}) is not oneDNN's path")
-    op = torch.ops.mkldnn._linear_pointwise
-    M = table.shape[1]
-    # x[:, h] of the usual [B, T, n, d] -> [B, n, T, d] transpose is one matrix of B·T rows (row stride n·d)
-    return [op(x[:, h].reshape(B * T, d), table[h], None, "none", [], "").view(B, T, M) for h in range(n)]
+    if rows.dim() != 2 or table.dim() != 2 or rows.shape[1] != table.shape[1]:
+        raise ValueError(f"head_product: rows {tuple(rows.shape)} and table {tuple(table.shape)} disagree")
+    if not runs_on_onednn(rows, table):
+        raise ValueError(f"head_product: {rows.dtype} on {rows.device} (table {table.dtype}) is not oneDNN's path")
+    return torch.ops.mkldnn._linear_pointwise(rows, table, None, "none", [], "")

@@ -101,23 +101,23 @@ def test_the_bfloat16_copy_keeps_the_switch_and_the_float32_model_its_weights():
     assert model[0].weight.dtype == torch.float32
 
 
-def test_head_products_are_each_heads_matmul():
+def test_head_product_is_the_heads_matmul():
     g = torch.Generator().manual_seed(0)
     B, n, T, d, M = 2, 3, 5, 8, 9
     x = torch.randn(B, T, n, d, generator=g).transpose(1, 2)  # the encoder's layout: heads split by a view
     table = torch.randn(n, M, d, generator=g)
-    with torch.inference_mode():
-        got = onednn.head_products(x, table)
-        assert OP in _ops(lambda: onednn.head_products(x, table))
     want = torch.matmul(x, table.transpose(-1, -2))
-    assert len(got) == n
-    for h in range(n):
-        assert got[h].shape == (B, T, M) and got[h].is_contiguous()
-        torch.testing.assert_close(got[h], want[:, h], rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="disagree"):
-        onednn.head_products(x, table[:2])
-    with torch.inference_mode(), pytest.raises(ValueError, match="not oneDNN's path"):
-        onednn.head_products(x.bfloat16(), table.bfloat16())  # bfloat16 keeps one bmm (relative_position.py)
+    with torch.inference_mode():
+        for h in range(n):
+            rows = x[:, h].reshape(B * T, d)  # a strided view: row stride n·d
+            got = onednn.head_product(rows, table[h])
+            assert got.shape == (B * T, M) and got.is_contiguous()
+            torch.testing.assert_close(got.view(B, T, M), want[:, h], rtol=1e-5, atol=1e-5)
+        assert OP in _ops(lambda: onednn.head_product(rows, table[0]))
+        with pytest.raises(ValueError, match="disagree"):
+            onednn.head_product(rows, table[0, :, :4])
+        with pytest.raises(ValueError, match="not oneDNN's path"):
+            onednn.head_product(rows.bfloat16(), table[0].bfloat16())  # bfloat16 runs torch.mm (relative_position.py)
 
 
 def test_backend_torch_onednn_key(unigram_tokenizer_dir, tmp_path):

@@ -129,8 +129,8 @@ def test_the_op_takes_the_diagonals_for_self_attention_and_the_older_kernels_oth
         fn = getattr(rp, f"disentangled_attention_bias_{name}")
         monkeypatch.setattr(rp, f"disentangled_attention_bias_{name}",
                             lambda *a, _n=name, _f=fn: calls.append(_n) or _f(*a))
-    heads = onednn.head_products
-    monkeypatch.setattr(onednn, "head_products", lambda *a: calls.append("onednn") or heads(*a))
+    head = onednn.head_product
+    monkeypatch.setattr(onednn, "head_product", lambda *a: calls.append("onednn") or head(*a))
     with torch.inference_mode():
         for T in (5, 128, 133, 300):
             for dtype in (torch.float32, torch.bfloat16):
@@ -139,9 +139,9 @@ def test_the_op_takes_the_diagonals_for_self_attention_and_the_older_kernels_oth
                 out = rp.disentangled_attention_bias(*args[:5], att_span=args[5], scale=args[6], c2p=args[7],
                                                      p2c=args[8])
                 torch.testing.assert_close(out, rp.disentangled_attention_bias_reference(*args), **_tol(dtype))
-                # float32 runs the per-head products through oneDNN (where this torch has it); bfloat16 one matmul
+                # float32 runs each head's two products through oneDNN (where this torch has it); bfloat16 torch.mm
                 fp32_onednn = dtype == torch.float32 and onednn.available()
-                assert calls == ["by_diagonals"] + ["onednn"] * (2 if fp32_onednn else 0), (T, dtype)
+                assert calls == ["by_diagonals"] + ["onednn"] * (2 * args[0].shape[1] if fp32_onednn else 0), (T, dtype)
         # Tq != Tk (no diagonal kernel): strided views where the index is linear, else float32's gather or
         # bfloat16's advanced indexing, bit for bit
         for seed, dtype in ((3, torch.float32), (3, torch.bfloat16), (6, torch.bfloat16)):
