@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import relative_position
+from .capture import graph_capture
 from .relative_position import make_log_bucket_position
 
 MODEL_TYPE = "deberta-v2"
@@ -342,13 +343,6 @@ class TokenPacking:
         return out.index_copy_(0, self.flat, x).view(self.B, self.T, *x.shape[1:])
 
 
-def _graph_capture() -> bool:
-    """True while torch.export / dynamo / jit traces (the ONNX exporters run one of these): those must see the
-    padded path (static shape arithmetic only; the packed path has a data-dependent token count). No
-    ``torch.onnx`` check: touching ``torch.onnx`` imports it into every serving process."""
-    return bool(torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.compiler.is_exporting())
-
-
 def mask_keys_(bias: torch.Tensor, key_mask: torch.Tensor, neg: float) -> torch.Tensor:
     """Set ``bias[b, ..., j] = neg`` for every key j that ``key_mask[b, 0, 0, j]`` masks, in place, so padded
     keys get exactly zero attention weight. bias Float[B, n | 1, T | 1, T], key_mask Bool[B, 1, 1, T] (True =
@@ -559,7 +553,7 @@ class DisentangledSelfAttention(nn.Module):
         neg = torch.finfo(q.dtype).min
         if bias is None:
             bias = torch.zeros(key_mask.shape, dtype=q.dtype, device=q.device)  # [B, 1, 1, T]
-        owned = not (bias is (rel.position_bias if rel is not None else None) or _graph_capture()
+        owned = not (bias is (rel.position_bias if rel is not None else None) or graph_capture()
                      or torch.is_grad_enabled())
         if owned:
             mask_keys_(bias, key_mask, neg)  # this layer's own [B, n, T, T] (or zeros): in place
@@ -774,7 +768,7 @@ class DebertaModel(nn.Module):
     def packing(self, mask: torch.Tensor) -> TokenPacking | None:
         """The packing the forward uses for mask Bool[B,T], or None for the padded path (``unpadded`` off,
         graph capture, or no padding in the batch: packing would only add copies)."""
-        if not self.unpadded or _graph_capture():
+        if not self.unpadded or graph_capture():
             return None
         pack = TokenPacking.from_mask(mask)
         return pack if pack.num_tokens < pack.B * pack.T else None

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .capture import graph_capture, needs_grad
+
 # dense layers: float32 (off MKL's sgemm) and bfloat16 (already oneDNN through F.linear's mkldnn_matmul, but the
 # fused GELU and the inner product saved 2-5 % of the 6 x 768 classifier's forward on the AMD EPYC, kernel caches
 # capped or not); the per-head products: float32 only (bfloat16 keeps one bmm with heads as its batch: per-head
@@ -49,16 +51,6 @@ def available() -> bool:
         return False
 
 
-def _graph_capture() -> bool:
-    return bool(torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.compiler.is_exporting())
-
-
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd records this call: the op has no backward, so then ``F.linear`` runs (a frozen weight with
-    a trainable bias, as in bias-only tuning, included)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 class OneDnnLinear(nn.Linear):
     """``nn.Linear`` whose inference forward on CPU (float32, bfloat16) runs oneDNN's inner product, optionally with
     GELU fused.
@@ -73,7 +65,7 @@ class OneDnnLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if (x.device.type == "cpu" and x.dtype in DTYPES and w.dtype == x.dtype and w.device.type == "cpu"
-                and not _needs_grad(x, w, self.bias) and not _graph_capture()):
+                and not needs_grad(x, w, self.bias) and not graph_capture()):
             if self.gelu is None:
                 return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, "none", [], "")
             return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, "gelu", [], GELU_ALGORITHMS[self.gelu])
@@ -112,7 +104,7 @@ def runs_on_onednn(*tensors: torch.Tensor) -> bool:
     """Whether :func:`head_product` takes oneDNN's path for these tensors (all float32 on CPU, none recorded by
     autograd, no graph capture)."""
     return (all(t.device.type == "cpu" and t.dtype in HEAD_DTYPES for t in tensors) and available()
-            and not _needs_grad(*tensors) and not _graph_capture())
+            and not needs_grad(*tensors) and not graph_capture())
 
 
 def head_product(rows: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

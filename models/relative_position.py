@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .capture import graph_capture, needs_grad
+
 TORCH_NAMESPACE = "relserve"
 # by_diagonals multiplies all heads in one bmm up to this many product values (4M: 8 MB in bfloat16), beyond
 # it one head at a time (only one head's products alive: 401 MB of bfloat16 at 16 x 512 tokens for all 12)
@@ -290,7 +292,7 @@ products of one head only are alive at a time.
         tables.append((key_layer, pos_query.index_select(-2, g) * scale, (1, M - 1)))
     operands = [t for x, table, _ in tables for t in (x, table)]
     use_onednn = onednn.runs_on_onednn(*operands)
-    grad = _needs_grad(*operands)
+    grad = needs_grad(*operands)
     if grad or (not use_onednn and B * n * T * M <= BATCHED_PRODUCT_ELEMENTS):
         # one batched matmul per term (heads as its batch), one sum: differentiable, and for small blocks fewer
         # calls than a loop over heads (bf16 32 x 32 tokens: 0.73 against 1.22 ms)
@@ -429,13 +431,7 @@ def _eager() -> bool:
     and the inductor (about 830 modules, 65-70 MB of resident memory in every serving process); export, compile
     and tracing still see one node per op.
     """
-    return not (torch.compiler.is_exporting() or torch.compiler.is_compiling() or torch.jit.is_tracing())
-
-
-def _needs_grad(*tensors: Tensor | None) -> bool:
-    if not torch.is_grad_enabled() or torch.compiler.is_exporting():
-        return False
-    return any(t is not None and t.requires_grad for t in tensors)
+    return not graph_capture()
 
 
 def disentangled_attention_bias(query_layer: Tensor, key_layer: Tensor, pos_query: Tensor | None,
@@ -446,7 +442,7 @@ def disentangled_attention_bias(query_layer: Tensor, key_layer: Tensor, pos_quer
     When gradients are wanted (training) the differentiable reference runs instead: the custom op has no
     autograd formula, and inference / export (no grad) are what it is for. Same numbers either way.
     """
-    if _needs_grad(query_layer, key_layer, pos_query, pos_key):
+    if needs_grad(query_layer, key_layer, pos_query, pos_key):
         return disentangled_attention_bias_reference(query_layer, key_layer, pos_query, pos_key, relative_pos,
                                                      att_span, float(scale), bool(c2p), bool(p2c))
     if _eager():
@@ -459,7 +455,7 @@ def disentangled_attention_bias(query_layer: Tensor, key_layer: Tensor, pos_quer
 def relative_position_bias(bias_table: Tensor, query_length: int, key_length: int, *, max_distance: int,
                            is_bidirectional: bool = True) -> Tensor:
     """Float[1, n, Tq, Tk] (custom op ``relserve::relative_position_bias``; the reference when training)."""
-    if _needs_grad(bias_table):
+    if needs_grad(bias_table):
         return relative_position_bias_reference(bias_table, query_length, key_length, max_distance,
                                                 bool(is_bidirectional))
     if _eager():
