@@ -349,8 +349,8 @@ class ModelConfig:
         64,
         "torch backend: after a batch that leaves its process this many MiB above its resident size after the last "
         "trim, freed heap goes back to the OS (malloc_trim; each new input shape otherwise leaves hundreds of MB "
-        "held); on CPU also caps torch's per-shape kernel caches (LRU_CACHE_CAPACITY=1, "
-        "ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 where the environment does not set them); 0: neither",
+        "held); on CPU also caps torch's per-shape kernel caches at 64 entries (LRU_CACHE_CAPACITY, "
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY, where the environment does not set them: one forward's kernels); 0: neither",
         bounds=Bounds(0, lo_note=" (never)"))
     worker_process: bool | None = key(
         None,
