@@ -270,8 +270,9 @@ def disentangled_attention_bias_by_diagonals(
 
     Against the gather this does 2T-1 columns of matmul instead of R (more work above T = R/2, none of the
     gather's scattered reads), one pass over [B, n, T, T] for the sum (the scale rides on the table), and in
-    float32 on CPU the products run through oneDNN (:func:`relserve.models.onednn.head_product`). Head by head: the
-products of one head only are alive at a time.
+    float32 on CPU the products run through oneDNN (:func:`relserve.models.onednn.head_product`). Beyond
+    ``BATCHED_PRODUCT_ELEMENTS`` products (and always through oneDNN) head by head, so that only one head's
+    products are alive at a time; smaller blocks take one bmm over the heads.
     Equal to the reference within float32 rounding (the scale is applied before the sum, not after). Returns None
     when the index is not diagonal-constant: the caller falls back to a gather. Float[B, n, T, T], contiguous.
 
